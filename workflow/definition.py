@@ -1,0 +1,375 @@
+"""Declaring work: workflows, tasks, steps (a task with its handler) and the registry.
+
+Nothing here touches the database. `Registry.register` is where every rule is
+checked, so a bad declaration fails at import time of the application, with a
+message naming the workflow, the task and the fix.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
+
+import attrs
+
+from workflow.durations import Duration, seconds
+from workflow.errors import RegistrationError
+
+if TYPE_CHECKING:
+    from psycopg import Connection
+
+    from workflow.manager import Manager
+    from workflow.run import Run
+    from workflow.taskrun import TaskRun
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+MAX_TASKS = 32767
+
+
+class Workflow(Generic[In]):
+    """A named workflow whose runs take an input of type `In`.
+
+    Declare one at module scope: `Transfer = Workflow("Transfer.Send", TransferInput)`.
+    """
+
+    def __init__(self, name: str, input_type: type[In]) -> None:
+        self.name = name
+        self.input_type = input_type
+
+    def __repr__(self) -> str:
+        return f"Workflow({self.name!r}, {_type_name(self.input_type)})"
+
+    def start(self, mgr: Manager, input: In, *, idempotency_key: str | None = None) -> Run:
+        """Insert a run in its own transaction, then execute it here if there is room.
+
+        Blocks on one database round trip. When `max_local_runs` executions are
+        already in flight (or the manager is closing) the run is left for a poller.
+        With `idempotency_key`, a second start returns the existing run untouched.
+        Raises `EncodeError` (nothing written) for an input that cannot be encoded.
+        """
+        return mgr._start(self, input, idempotency_key=idempotency_key)
+
+    def start_tx(
+        self,
+        conn: Connection[Any],
+        mgr: Manager,
+        input: In,
+        *,
+        idempotency_key: str | None = None,
+    ) -> Run:
+        """Insert a run with the caller's connection, inside the caller's transaction.
+
+        Launches nothing: the run exists if and only if that transaction commits,
+        and the first `run.wait()` or a poller claims it. Raises `EncodeError`
+        before sending any SQL, and `WorkflowError` when `conn` is not inside a
+        usable transaction.
+        """
+        return mgr._start(self, input, idempotency_key=idempotency_key, conn=conn)
+
+    def input(self, mgr: Manager, run_id: str) -> In:
+        """Read and decode the stored input of one of this workflow's runs.
+
+        Raises `RunNotFound` for an unknown or malformed id or a run of another
+        workflow, and `DecodeError` when the stored input no longer opens.
+        """
+        return mgr._read_input(self, run_id)
+
+
+class Task(Generic[Out]):
+    """A named task recording an output of type `Out`.
+
+    `Task("transfer.send")` records nothing (`Task[None]`); `run.output()` of it
+    raises `OutputMissing`.
+    """
+
+    @overload
+    def __init__(self: Task[None], name: str) -> None: ...
+
+    @overload
+    def __init__(self, name: str, output_type: type[Out]) -> None: ...
+
+    @overload
+    def __init__(self: Task[Any], name: str, output_type: object) -> None: ...
+
+    def __init__(self, name: str, output_type: object = None) -> None:
+        self.name = name
+        self.output_type: Any = output_type
+
+    @property
+    def records(self) -> bool:
+        """True when the task was declared with an output type."""
+        return self.output_type is not None
+
+    def __repr__(self) -> str:
+        if self.output_type is None:
+            return f"Task({self.name!r})"
+        return f"Task({self.name!r}, {_type_name(self.output_type)})"
+
+
+@attrs.frozen
+class Backoff:
+    """Exponential retry delay `min(base * 2**(attempt-1), max)`, in seconds."""
+
+    base: Duration = 1.0
+    max: Duration = 300.0
+
+
+@attrs.frozen
+class Step(Generic[In]):
+    """A task bound to its handler and retry policy; built by `handle()`."""
+
+    task: Task[Any]
+    fn: Callable[[TaskRun[In]], Any]
+    timeout: Duration | None = None
+    max_attempts: int | None = None
+    backoff: Backoff | None = None
+    backoff_schedule: Sequence[Duration] | None = None
+    skip: Callable[[In], bool] | None = None
+
+    def skip_if(self, pred: Callable[[In], bool]) -> Step[In]:
+        """This step, skipped when `pred(input)` is true at run creation.
+
+        The predicate is evaluated once, against the plaintext input, when a run
+        is created; a skipped task is snapshotted as such and never executed.
+        """
+        return attrs.evolve(self, skip=pred)
+
+
+def handle(
+    task: Task[Out],
+    fn: Callable[[TaskRun[In]], Out],
+    *,
+    timeout: Duration | None = None,
+    max_attempts: int | None = None,
+    backoff: Backoff | None = None,
+    backoff_schedule: Sequence[Duration] | None = None,
+) -> Step[In]:
+    """Bind `fn` to `task`, with optional per-task retry settings.
+
+    `timeout` bounds one attempt; `max_attempts` is the attempt budget;
+    `backoff` and `backoff_schedule` (exclusive) set the retry delays. Unset
+    values fall back to the manager's `Config`. Validation happens in
+    `Registry.register`.
+    """
+    return Step(
+        task=task,
+        fn=fn,
+        timeout=timeout,
+        max_attempts=max_attempts,
+        backoff=backoff,
+        backoff_schedule=None if backoff_schedule is None else tuple(backoff_schedule),
+    )
+
+
+@attrs.frozen
+class Definition(Generic[In]):
+    """A workflow with its ordered steps; built by `define()`, given to `Registry.register`."""
+
+    workflow: Workflow[In]
+    steps: tuple[Step[In], ...]
+
+
+def define(workflow: Workflow[In], *steps: Step[In]) -> Definition[In]:
+    """Pair a workflow with its steps, in execution order."""
+    return Definition(workflow=workflow, steps=tuple(steps))
+
+
+@attrs.frozen
+class RetryPolicy:
+    """A step's retry settings, resolved to seconds (None: the Config's value)."""
+
+    timeout: float | None
+    max_attempts: int | None
+    backoff_base: float | None
+    backoff_max: float | None
+    schedule: tuple[float, ...] | None
+
+
+class Registry:
+    """The workflows a process knows how to run.
+
+    Register every workflow before building a `Manager`: the manager freezes
+    the registry. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._frozen = False
+        self._definitions: dict[str, Definition[Any]] = {}
+        self._policies: dict[tuple[str, str], RetryPolicy] = {}
+        self._output_types: dict[str, Any] = {}
+
+    def register(self, definition: Definition[Any]) -> None:
+        """Validate `definition` and add it.
+
+        Raises `RegistrationError` naming the problem: a frozen registry, a
+        duplicate workflow name, zero tasks, an empty or duplicate task name, more
+        than 32767 tasks, a bad timeout, attempt budget or backoff, or a task name
+        already registered with a different output type.
+        """
+        if not isinstance(definition, Definition):
+            raise RegistrationError(
+                "register() takes workflow.define(workflow, *steps), "
+                f"not {type(definition).__name__}"
+            )
+        wf = definition.workflow
+        with self._lock:
+            if self._frozen:
+                raise RegistrationError(
+                    f"workflow {wf.name!r}: the registry is frozen because a Manager was "
+                    "built with it; register every workflow before building the Manager"
+                )
+            if not isinstance(wf.name, str) or not wf.name:
+                raise RegistrationError("a workflow needs a non-empty name")
+            if wf.name in self._definitions:
+                raise RegistrationError(
+                    f"workflow {wf.name!r} is already registered; workflow names are unique"
+                )
+            if not definition.steps:
+                raise RegistrationError(
+                    f"workflow {wf.name!r} has no tasks; pass at least one handle(...) to define()"
+                )
+            if len(definition.steps) > MAX_TASKS:
+                raise RegistrationError(
+                    f"workflow {wf.name!r} has {len(definition.steps)} tasks; "
+                    f"the most a workflow may have is {MAX_TASKS}"
+                )
+            policies: dict[tuple[str, str], RetryPolicy] = {}
+            new_types: dict[str, Any] = {}
+            for step in definition.steps:
+                name = _check_step(wf.name, step)
+                if (wf.name, name) in policies:
+                    raise RegistrationError(
+                        f"workflow {wf.name!r}: task {name!r} appears twice; "
+                        "task names are unique within a workflow"
+                    )
+                known = self._output_types.get(name, new_types.get(name, _MISSING))
+                if known is not _MISSING and known != step.task.output_type:
+                    raise RegistrationError(
+                        f"workflow {wf.name!r}: task {name!r} is already registered with "
+                        f"output type {_type_name(known)}, not "
+                        f"{_type_name(step.task.output_type)}; a task name shared between "
+                        "workflows must keep one output type (or rename the task)"
+                    )
+                new_types[name] = step.task.output_type
+                policies[(wf.name, name)] = _policy(wf.name, step)
+            self._definitions[wf.name] = definition
+            self._policies.update(policies)
+            self._output_types.update(new_types)
+
+    @property
+    def frozen(self) -> bool:
+        """True once a Manager has been built with this registry."""
+        return self._frozen
+
+    def freeze(self) -> None:
+        """Refuse further registrations (the Manager calls this)."""
+        with self._lock:
+            self._frozen = True
+
+    def names(self) -> list[str]:
+        """The registered workflow names, in registration order."""
+        return list(self._definitions)
+
+    def definition(self, name: str) -> Definition[Any] | None:
+        """The definition registered under `name`, or None."""
+        return self._definitions.get(name)
+
+    def policy(self, workflow: str, task: str) -> RetryPolicy:
+        """The resolved retry settings of one registered step."""
+        return self._policies[(workflow, task)]
+
+
+_MISSING = object()
+
+
+def _type_name(tp: object) -> str:
+    if tp is None:
+        return "None (records nothing)"
+    return getattr(tp, "__qualname__", None) or repr(tp)
+
+
+def _check_step(workflow: str, step: object) -> str:
+    if not isinstance(step, Step):
+        raise RegistrationError(
+            f"workflow {workflow!r}: define() takes steps built with handle(task, fn), "
+            f"not {type(step).__name__}"
+        )
+    task = step.task
+    if not isinstance(task, Task):
+        raise RegistrationError(
+            f"workflow {workflow!r}: handle() takes a workflow.Task, not {type(task).__name__}"
+        )
+    if not isinstance(task.name, str) or not task.name:
+        raise RegistrationError(f"workflow {workflow!r}: a task needs a non-empty name")
+    if not callable(step.fn):
+        raise RegistrationError(
+            f"workflow {workflow!r}: the handler of task {task.name!r} is not callable"
+        )
+    return task.name
+
+
+def _positive(workflow: str, task: str, what: str, value: object) -> float:
+    where = f"workflow {workflow!r}, task {task!r}"
+    try:
+        result = seconds(value, what)
+    except (TypeError, ValueError) as e:
+        raise RegistrationError(f"{where}: {e}") from None
+    if result <= 0:
+        raise RegistrationError(f"{where}: {what} must be positive, got {value!r}")
+    return result
+
+
+def _policy(workflow: str, step: Step[Any]) -> RetryPolicy:
+    task = step.task.name
+    where = f"workflow {workflow!r}, task {task!r}"
+    timeout = None if step.timeout is None else _positive(workflow, task, "timeout", step.timeout)
+    max_attempts = step.max_attempts
+    if max_attempts is not None and (
+        not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
+    ):
+        raise RegistrationError(
+            f"{where}: max_attempts must be a positive int, got {max_attempts!r}"
+        )
+    if step.backoff is not None and step.backoff_schedule is not None:
+        raise RegistrationError(
+            f"{where}: backoff and backoff_schedule are exclusive; keep one of them"
+        )
+    base = cap = None
+    if step.backoff is not None:
+        if not isinstance(step.backoff, Backoff):
+            raise RegistrationError(f"{where}: backoff must be a workflow.Backoff")
+        base = _positive(workflow, task, "backoff base", step.backoff.base)
+        cap = _positive(workflow, task, "backoff max", step.backoff.max)
+        if cap < base:
+            raise RegistrationError(
+                f"{where}: backoff max ({cap:g}s) is below its base ({base:g}s)"
+            )
+    schedule = None
+    if step.backoff_schedule is not None:
+        if not step.backoff_schedule:
+            raise RegistrationError(
+                f"{where}: backoff_schedule is empty; give at least one delay"
+            )
+        entries = []
+        for entry in step.backoff_schedule:
+            try:
+                delay = seconds(entry, "a backoff_schedule entry")
+            except (TypeError, ValueError) as e:
+                raise RegistrationError(f"{where}: {e}") from None
+            if delay < 0:
+                raise RegistrationError(
+                    f"{where}: backoff_schedule entry {entry!r} is negative"
+                )
+            entries.append(delay)
+        schedule = tuple(entries)
+    return RetryPolicy(
+        timeout=timeout,
+        max_attempts=max_attempts,
+        backoff_base=base,
+        backoff_max=cap,
+        schedule=schedule,
+    )

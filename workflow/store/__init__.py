@@ -1,0 +1,280 @@
+"""The only code that talks to PostgreSQL.
+
+`queries.sql` holds every statement under a name; `Store` runs them, one round
+trip each, on connections borrowed from a `psycopg_pool.ConnectionPool` in
+autocommit mode (each statement is its own transaction). `migrate.py` applies the
+schema chain.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from importlib import resources
+from typing import Any
+
+import attrs
+import psycopg
+from psycopg import pq
+from psycopg_pool import ConnectionPool
+
+from workflow.errors import WorkflowError
+from workflow.store.migrate import (
+    SCHEMA_VERSION,
+    SchemaOutdated,
+    check_schema,
+    migrate,
+    schema_version,
+)
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ClaimedRun",
+    "RunRow",
+    "SchemaOutdated",
+    "Store",
+    "TaskRow",
+    "migrate",
+    "schema_version",
+]
+
+CHANNEL = "workflow_runs"
+"""The LISTEN/NOTIFY channel; the payload is the workflow name."""
+
+
+def _load_queries() -> dict[str, str]:
+    text = resources.files("workflow.store").joinpath("queries.sql").read_text("utf-8")
+    queries: dict[str, str] = {}
+    for block in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+        name, _, body = block.partition("\n")
+        lines = [line for line in body.splitlines() if not line.startswith("-- ")]
+        queries[name.strip()] = "\n".join(lines).strip().rstrip(";")
+    return queries
+
+
+_Q = _load_queries()
+
+
+@attrs.frozen
+class TaskRow:
+    """One task of a claimed run's snapshot."""
+
+    seq: int
+    name: str
+    skipped: bool
+    attempts: int
+    has_output: bool
+    output: Any
+    failed_at: datetime.datetime | None
+
+
+@attrs.frozen
+class ClaimedRun:
+    """A run this process now holds a claim on, with its whole task snapshot."""
+
+    id: uuid.UUID
+    workflow: str
+    claim_id: uuid.UUID
+    input: Any
+    input_sealed: bytes | None
+    context: Any
+    context_sealed: bytes | None
+    current_seq: int
+    db_now: datetime.datetime
+    tasks: tuple[TaskRow, ...]
+
+
+@attrs.frozen
+class RunRow:
+    """A run's status as `run_status` reads it (task fields: the task it is on)."""
+
+    workflow: str
+    status: str
+    created_at: datetime.datetime
+    finished_at: datetime.datetime | None
+    task: str | None
+    error: str | None
+    error_code: str | None
+    attempts: int | None
+
+
+def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
+    runs: list[ClaimedRun] = []
+    tasks: list[TaskRow] = []
+    for i, row in enumerate(rows):
+        tasks.append(TaskRow(*row[9:]))
+        if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
+            runs.append(ClaimedRun(*row[:9], tasks=tuple(tasks)))
+            tasks = []
+    return runs
+
+
+class Store:
+    """Runs the named statements of `queries.sql` on a connection pool."""
+
+    def __init__(self, pool: ConnectionPool[Any]) -> None:
+        self._pool = pool
+
+    @contextmanager
+    def _conn(self) -> Iterator[psycopg.Connection[Any]]:
+        with self._pool.connection() as conn:
+            if conn.autocommit:
+                yield conn
+                return
+            conn.autocommit = True
+            try:
+                yield conn
+            finally:
+                if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                    conn.autocommit = False
+
+    def _run(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        with self._conn() as conn:
+            return conn.execute(_Q[name], params).fetchall()
+
+    def check_schema(self) -> None:
+        """Raise `SchemaOutdated` when the database is behind `SCHEMA_VERSION`."""
+        with self._conn() as conn:
+            check_schema(conn)
+
+    def insert_run(
+        self, conn: psycopg.Connection[Any] | None, params: dict[str, Any]
+    ) -> uuid.UUID | None:
+        """Insert a run and its tasks; its id, or None when the idempotency key exists."""
+        if conn is None:
+            rows = self._run("insert_run", params)
+        else:
+            rows = conn.execute(_Q["insert_run"], params).fetchall()
+        return rows[0][0] if rows else None
+
+    def find_idempotent_run(
+        self, conn: psycopg.Connection[Any] | None, workflow: str, key: str
+    ) -> uuid.UUID | None:
+        """The id of the run already started with this workflow and key, if any."""
+        params = {"workflow": workflow, "idempotency_key": key}
+        if conn is None:
+            rows = self._run("find_idempotent_run", params)
+        else:
+            rows = conn.execute(_Q["find_idempotent_run"], params).fetchall()
+        return rows[0][0] if rows else None
+
+    def claim_run(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> ClaimedRun | None:
+        """Claim one run by id when it is claimable now and unlocked; None otherwise."""
+        runs = _claimed(self._run("claim_run", {"id": run_id, "claim_id": claim_id}))
+        return runs[0] if runs else None
+
+    def claim_runs(self, workflows: Sequence[str], limit: int) -> list[ClaimedRun]:
+        """Claim up to `limit` claimable runs of `workflows`, oldest first."""
+        return _claimed(self._run("claim_runs", {"workflows": list(workflows), "limit": limit}))
+
+    def complete_task(
+        self,
+        run_id: uuid.UUID,
+        claim_id: uuid.UUID,
+        seq: int,
+        output: str | None,
+        next_seq: int,
+        done: bool,
+    ) -> bool:
+        """Record `seq`'s output and advance the run; False when the claim was lost."""
+        rows = self._run(
+            "complete_task",
+            {
+                "id": run_id,
+                "claim_id": claim_id,
+                "seq": seq,
+                "output": output,
+                "next_seq": next_seq,
+                "done": done,
+            },
+        )
+        return bool(rows)
+
+    def fail_task(
+        self,
+        run_id: uuid.UUID,
+        claim_id: uuid.UUID,
+        seq: int,
+        *,
+        error: str,
+        code: str | None,
+        spent: int,
+        park: bool,
+        keep_claim: bool,
+        delay: float,
+    ) -> int | None:
+        """Record a failure of `seq`; its new attempt count, or None when the claim was lost."""
+        rows = self._run(
+            "fail_task",
+            {
+                "id": run_id,
+                "claim_id": claim_id,
+                "seq": seq,
+                "error": error,
+                "code": code,
+                "spent": spent,
+                "park": park,
+                "keep_claim": keep_claim and not park,
+                "delay": delay,
+            },
+        )
+        return int(rows[0][0]) if rows else None
+
+    def release_claim(
+        self,
+        run_id: uuid.UUID,
+        claim_id: uuid.UUID,
+        retry_at: datetime.datetime | None = None,
+    ) -> bool:
+        """Drop a claim without ending an attempt; False when it was already lost."""
+        rows = self._run(
+            "release_claim", {"id": run_id, "claim_id": claim_id, "retry_at": retry_at}
+        )
+        return bool(rows)
+
+    def heartbeat(self, claims: Sequence[uuid.UUID]) -> set[uuid.UUID]:
+        """Refresh the heartbeat of `claims`; the subset still held."""
+        rows = self._run("heartbeat", {"claims": list(claims)})
+        return {row[0] for row in rows}
+
+    def sweep(self, max_age: float, limit: int) -> list[uuid.UUID]:
+        """Release up to `limit` claims staler than `max_age` seconds; their run ids."""
+        return [row[0] for row in self._run("sweep", {"max_age": max_age, "limit": limit})]
+
+    def run_status(self, run_id: uuid.UUID) -> RunRow | None:
+        """A run's status row, or None for an unknown id."""
+        rows = self._run("run_status", {"id": run_id})
+        return RunRow(*rows[0]) if rows else None
+
+    def run_input(self, run_id: uuid.UUID) -> tuple[str, Any, bytes | None] | None:
+        """A run's (workflow, plain input, sealed input), or None for an unknown id."""
+        rows = self._run("run_input", {"id": run_id})
+        return (rows[0][0], rows[0][1], rows[0][2]) if rows else None
+
+    def listen_connection(self, conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:
+        """A new dedicated autocommit connection LISTENing on the wake-up channel."""
+        conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
+        conn.execute(_Q["listen"])
+        return conn
+
+
+def in_transaction(conn: psycopg.Connection[Any]) -> None:
+    """Raise `WorkflowError` unless `conn` can carry a statement of the caller's transaction."""
+    status = conn.info.transaction_status
+    if status == pq.TransactionStatus.INERROR:
+        raise WorkflowError(
+            "workflow: start_tx() got a connection whose transaction has failed; roll it "
+            "back before starting runs with it"
+        )
+    if status == pq.TransactionStatus.IDLE and conn.autocommit:
+        raise WorkflowError(
+            "workflow: start_tx() needs a connection inside a transaction (use "
+            "`with conn.transaction():`); in autocommit mode the run would commit on its own"
+        )
+    if status not in (pq.TransactionStatus.IDLE, pq.TransactionStatus.INTRANS):
+        raise WorkflowError(
+            f"workflow: start_tx() cannot use a connection in state {status.name}"
+        )

@@ -1,0 +1,179 @@
+-- Every statement pgworkflow sends, each under a `-- name: ...` header and one line
+-- saying what it does. Loaded by name in workflow/store/__init__.py, the only
+-- module that runs them. Writes made after a claim carry `claim_id = %(claim_id)s`:
+-- zero rows back means another executor owns the run.
+
+
+-- name: insert_run
+-- Insert a run and its task snapshot (claimed by the caller when claim_id is set; woken pollers otherwise).
+WITH run AS (
+    INSERT INTO workflow_runs (id, workflow, status, idempotency_key, input, input_sealed,
+                               context, context_sealed, task_count, current_seq,
+                               claim_id, heartbeat_at, finished_at)
+    VALUES (%(id)s, %(workflow)s, %(status)s, %(idempotency_key)s,
+            %(input)s::jsonb, %(input_sealed)s, %(context)s::jsonb, %(context_sealed)s,
+            %(task_count)s, %(current_seq)s, %(claim_id)s,
+            CASE WHEN %(claim_id)s::uuid IS NULL THEN NULL ELSE now() END,
+            CASE WHEN %(status)s = 'succeeded' THEN now() END)
+    ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, created_at
+), tasks AS (
+    INSERT INTO workflow_tasks (run_id, seq, name, skipped, finished_at)
+    SELECT run.id, t.seq::smallint, t.name, t.skipped, CASE WHEN t.skipped THEN run.created_at END
+    FROM run,
+         unnest(%(names)s::text[], %(skipped)s::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
+)
+SELECT run.id,
+       (SELECT pg_notify('workflow_runs', %(workflow)s) WHERE %(wake)s)
+FROM run;
+
+
+-- name: find_idempotent_run
+-- The run an earlier start inserted under this workflow and idempotency key.
+SELECT id FROM workflow_runs WHERE workflow = %(workflow)s AND idempotency_key = %(idempotency_key)s;
+
+
+-- name: claim_run
+-- Claim one run by id when it is claimable now; SKIP LOCKED makes a double kick claim once.
+WITH pick AS (
+    SELECT id FROM workflow_runs
+    WHERE id = %(id)s AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE workflow_runs r
+    SET claim_id = %(claim_id)s, heartbeat_at = now(), status = 'running'
+    FROM pick WHERE r.id = pick.id
+    RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
+              r.context_sealed, r.current_seq, r.created_at
+)
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context, c.context_sealed,
+       c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
+       t.failed_at
+FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
+ORDER BY t.seq;
+
+
+-- name: claim_runs
+-- Claim up to `limit` claimable runs of the given workflows, oldest first (the poller).
+WITH pick AS (
+    SELECT id FROM workflow_runs
+    WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+      AND workflow = ANY(%(workflows)s::text[])
+    ORDER BY created_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE workflow_runs r
+    SET claim_id = gen_random_uuid(), heartbeat_at = now(), status = 'running'
+    FROM pick WHERE r.id = pick.id
+    RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
+              r.context_sealed, r.current_seq, r.created_at
+)
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context, c.context_sealed,
+       c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
+       t.failed_at
+FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
+ORDER BY c.created_at, c.id, t.seq;
+
+
+-- name: complete_task
+-- Record a task's output and move the run to its next task, or finish it (fenced).
+WITH run AS (
+    UPDATE workflow_runs
+    SET current_seq = %(next_seq)s,
+        status = CASE WHEN %(done)s THEN 'succeeded' ELSE status END,
+        finished_at = CASE WHEN %(done)s THEN now() END,
+        claim_id = CASE WHEN %(done)s THEN NULL ELSE claim_id END,
+        heartbeat_at = CASE WHEN %(done)s THEN NULL ELSE now() END
+    WHERE id = %(id)s AND claim_id = %(claim_id)s
+    RETURNING id
+)
+UPDATE workflow_tasks t
+SET output = %(output)s::jsonb, finished_at = now()
+FROM run
+WHERE t.run_id = run.id AND t.seq = %(seq)s
+RETURNING t.seq;
+
+
+-- name: fail_task
+-- Record a failed attempt (or a park that spends none): retry later, keep or drop the claim, or park (fenced).
+WITH run AS (
+    UPDATE workflow_runs
+    SET status = CASE WHEN %(park)s THEN 'parked' ELSE status END,
+        finished_at = CASE WHEN %(park)s THEN now() END,
+        claim_id = CASE WHEN %(keep_claim)s THEN claim_id END,
+        heartbeat_at = CASE WHEN %(keep_claim)s THEN now() END,
+        next_retry_at = now() + make_interval(secs => %(delay)s)
+    WHERE id = %(id)s AND claim_id = %(claim_id)s
+    RETURNING id
+)
+UPDATE workflow_tasks t
+SET attempts = t.attempts + %(spent)s,
+    error = %(error)s,
+    error_code = %(code)s,
+    failed_at = CASE WHEN %(spent)s > 0 THEN now() ELSE t.failed_at END
+FROM run
+WHERE t.run_id = run.id AND t.seq = %(seq)s
+RETURNING t.attempts;
+
+
+-- name: release_claim
+-- Give up a claim without ending an attempt, not claimable before retry_at if given (fenced; wakes pollers when due).
+WITH run AS (
+    UPDATE workflow_runs
+    SET claim_id = NULL, heartbeat_at = NULL,
+        next_retry_at = coalesce(%(retry_at)s, next_retry_at)
+    WHERE id = %(id)s AND claim_id = %(claim_id)s
+    RETURNING id, workflow, next_retry_at <= now() AS due
+)
+SELECT run.id, CASE WHEN run.due THEN pg_notify('workflow_runs', run.workflow) END
+FROM run;
+
+
+-- name: heartbeat
+-- Keep the given claims alive; returns the claims still held (a missing one was lost).
+UPDATE workflow_runs SET heartbeat_at = now()
+WHERE claim_id = ANY(%(claims)s::uuid[])
+RETURNING claim_id;
+
+
+-- name: sweep
+-- Release claims whose heartbeat is older than max_age and count the abandoned attempt.
+WITH stale AS (
+    SELECT id FROM workflow_runs
+    WHERE claim_id IS NOT NULL AND heartbeat_at < now() - make_interval(secs => %(max_age)s)
+    ORDER BY heartbeat_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), run AS (
+    UPDATE workflow_runs r
+    SET claim_id = NULL, heartbeat_at = NULL, next_retry_at = now()
+    FROM stale WHERE r.id = stale.id
+    RETURNING r.id, r.workflow, r.current_seq
+), bump AS (
+    UPDATE workflow_tasks t
+    SET attempts = t.attempts + 1, failed_at = now(),
+        error = 'the attempt was abandoned: its executor stopped heartbeating (crashed, or hung past its timeout)',
+        error_code = NULL
+    FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
+    RETURNING t.run_id
+)
+SELECT run.id, pg_notify('workflow_runs', run.workflow) FROM run;
+
+
+-- name: run_status
+-- A run's status, times, and the task it is on (for Failure).
+SELECT r.workflow, r.status, r.created_at, r.finished_at, t.name, t.error, t.error_code, t.attempts
+FROM workflow_runs r
+LEFT JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = r.current_seq
+WHERE r.id = %(id)s;
+
+
+-- name: run_input
+-- A run's workflow name and stored input.
+SELECT workflow, input, input_sealed FROM workflow_runs WHERE id = %(id)s;
+
+
+-- name: listen
+-- Subscribe this session to the wake-up channel (the listener's own connection).
+LISTEN workflow_runs;

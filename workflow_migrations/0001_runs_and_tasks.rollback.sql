@@ -1,0 +1,2 @@
+DROP TABLE workflow_tasks;
+DROP TABLE workflow_runs;
