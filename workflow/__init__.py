@@ -6,6 +6,7 @@ them (`Registry`), build a `Manager` over a connection pool, and start runs with
 migrations and the only SQL.
 """
 
+from workflow.config import App, Config, RunnerConfig
 from workflow.definition import Backoff, Definition, Registry, Step, Task, Workflow, define, handle
 from workflow.errors import (
     Cancelled,
@@ -24,24 +25,39 @@ from workflow.errors import (
     with_code,
 )
 from workflow.logs import ALERT
+from workflow.manager import Manager
+from workflow.run import Failure, Run, RunStatus, Status
+from workflow.sealing import AESGCMCipher, Cipher, Propagation, Propagator, propagate
 from workflow.store import SchemaOutdated
 from workflow.taskrun import TaskRun, new_task_run
 
 __all__ = [
     "ALERT",
+    "AESGCMCipher",
+    "App",
     "Backoff",
     "Cancelled",
+    "Cipher",
     "CodedError",
+    "Config",
     "ConfigError",
     "DecodeError",
     "Definition",
     "EncodeError",
+    "Failure",
+    "Manager",
     "OutputMissing",
     "Permanent",
+    "Propagation",
+    "Propagator",
     "RegistrationError",
     "Registry",
+    "Run",
     "RunNotFound",
+    "RunStatus",
+    "RunnerConfig",
     "SchemaOutdated",
+    "Status",
     "Step",
     "Task",
     "TaskRun",
@@ -53,5 +69,6 @@ __all__ = [
     "is_permanent",
     "new_task_run",
     "permanent",
+    "propagate",
     "with_code",
 ]

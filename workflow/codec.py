@@ -31,6 +31,11 @@ def encode(value: Any, tp: Any) -> str:
     value is not an instance of a declared class, or when it would not decode
     back into `tp` (so nothing is stored that a handler could not read).
     """
+    return encode_document(value, tp)[0]
+
+
+def encode_document(value: Any, tp: Any) -> tuple[str, Any]:
+    """`encode`, also returning the unstructured (JSON-shaped) document."""
     if isinstance(tp, type) and _is_record(tp) and not isinstance(value, tp):
         raise EncodeError(
             f"cannot encode {type(value).__name__} as {_name(tp)}: expected an instance of "
@@ -48,7 +53,7 @@ def encode(value: Any, tp: Any) -> str:
         raise EncodeError(
             f"cannot encode {_name(tp)}: the value would not decode back: {_explain(e)}"
         ) from e
-    return text
+    return text, plain
 
 
 def decode(document: Any, tp: Any) -> Any:

@@ -75,7 +75,8 @@ class Workflow(Generic[In]):
         Raises `RunNotFound` for an unknown or malformed id or a run of another
         workflow, and `DecodeError` when the stored input no longer opens.
         """
-        return mgr._read_input(self, run_id)
+        value: In = mgr._read_input(self, run_id)
+        return value
 
 
 class Task(Generic[Out]):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import datetime
 import math
-from typing import Union
+from typing import TypeAlias
 
-Duration = Union[int, float, datetime.timedelta]
+Duration: TypeAlias = "int | float | datetime.timedelta"
 
 
 def seconds(value: object, what: str) -> float:

@@ -83,7 +83,7 @@ class ClaimedRun:
     context: Any
     context_sealed: bytes | None
     current_seq: int
-    db_now: datetime.datetime
+    db_now: datetime.datetime | None
     tasks: tuple[TaskRow, ...]
 
 
@@ -107,7 +107,20 @@ def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     for i, row in enumerate(rows):
         tasks.append(TaskRow(*row[9:]))
         if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
-            runs.append(ClaimedRun(*row[:9], tasks=tuple(tasks)))
+            runs.append(
+                ClaimedRun(
+                    id=row[0],
+                    workflow=row[1],
+                    claim_id=row[2],
+                    input=row[3],
+                    input_sealed=row[4],
+                    context=row[5],
+                    context_sealed=row[6],
+                    current_seq=row[7],
+                    db_now=row[8],
+                    tasks=tuple(tasks),
+                )
+            )
             tasks = []
     return runs
 

@@ -1,0 +1,377 @@
+"""Executing one claimed run, task after task, every write fenced by the claim.
+
+Transactions per run: the insert (already claimed on the fast path), then one per
+finished task, which records the output and moves the run on (the last one also
+completes it). A 3-task run on the fast path costs 4 transactions. A failed
+attempt costs one more (it records the failure, and parks or schedules the retry
+in the same statement); a shutdown or a long backoff costs one release.
+
+A write that matches zero rows means another executor owns the run: this one
+stops at once, touching nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import attrs
+
+from workflow import codec
+from workflow.config import Settings
+from workflow.definition import Registry, RetryPolicy, Step, Task
+from workflow.errors import (
+    DecodeError,
+    EncodeError,
+    OutputMissing,
+    code_of,
+    error_text,
+    is_permanent,
+)
+from workflow.heartbeat import LOST, SHUTDOWN, Heartbeat, Lease
+from workflow.logs import ALERT
+from workflow.sealing import Cipher, Propagation, open_document
+from workflow.store import ClaimedRun, Store, TaskRow
+from workflow.taskrun import TaskRun
+
+_NO_INPUT = object()
+
+
+@attrs.frozen
+class Engine:
+    """What an execution needs from its manager."""
+
+    store: Store
+    registry: Registry
+    settings: Settings
+    logger: logging.Logger
+    heartbeat: Heartbeat
+    cipher: Cipher | None
+    propagation: Propagation[Any] | None
+    draining: threading.Event
+    finished: Callable[[uuid.UUID], None]
+
+
+@attrs.frozen
+class Job:
+    """A claimed run to execute; `input` is set on the fast path (already in memory)."""
+
+    run: ClaimedRun
+    claimed_at: float = attrs.field(factory=time.monotonic)
+    input: Any = _NO_INPUT
+
+
+class _Stop(Exception):
+    """Ends an execution early; the claim has been dealt with."""
+
+
+def delay_after(policy: RetryPolicy, settings: Settings, attempts: int) -> float:
+    """Seconds to wait before the attempt after `attempts` ended attempts."""
+    if policy.schedule is not None:
+        return policy.schedule[min(attempts, len(policy.schedule)) - 1]
+    base = policy.backoff_base if policy.backoff_base is not None else settings.backoff_base
+    cap = policy.backoff_max if policy.backoff_max is not None else settings.backoff_max
+    return float(min(base * 2 ** (attempts - 1), cap))
+
+
+def execute(engine: Engine, job: Job) -> None:
+    """Run `job` from its current task until it finishes, parks, or must stop.
+
+    Never raises: unexpected errors are logged and the claim is released.
+    """
+    lease = Lease(job.run.id, job.run.claim_id)
+    engine.heartbeat.add(lease)
+    execution = _Execution(engine, job, lease)
+    try:
+        execution.run()
+    except _Stop:
+        pass
+    except Exception:
+        engine.logger.exception(
+            "workflow: run %s: execution failed unexpectedly; releasing its claim",
+            job.run.id,
+            extra={"run_id": str(job.run.id)},
+        )
+        execution.release()
+    finally:
+        engine.heartbeat.remove(lease)
+
+
+class _Execution:
+    def __init__(self, engine: Engine, job: Job, lease: Lease) -> None:
+        self.engine = engine
+        self.job = job
+        self.run_row = job.run
+        self.lease = lease
+        self.run_id = str(job.run.id)
+        self.extra = {"run_id": self.run_id}
+        definition = engine.registry.definition(job.run.workflow)
+        self.steps: dict[str, Step[Any]] = (
+            {step.task.name: step for step in definition.steps} if definition else {}
+        )
+        self.tasks = list(job.run.tasks)
+        self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
+        self.decoded: dict[str, Any] = {}
+
+    # The run's life.
+
+    def run(self) -> None:
+        input_value = self.open_input()
+        restore = self.open_context()
+        seq = self.run_row.current_seq
+        first = True
+        while seq <= len(self.tasks):
+            row = self.tasks[seq - 1]
+            step = self.steps.get(row.name)
+            if step is None:
+                self.park(
+                    row,
+                    f"no handler is registered for task {row.name!r} of workflow "
+                    f"{self.run_row.workflow!r} (version skew: deploy the code that has it)",
+                )
+            policy = self.engine.registry.policy(self.run_row.workflow, row.name)
+            max_attempts = policy.max_attempts or self.engine.settings.max_attempts
+            if row.attempts >= max_attempts:
+                self.park(
+                    row,
+                    f"task {row.name!r} had already spent its {max_attempts} attempts when "
+                    "this executor claimed the run (its executors keep dying mid-attempt?)",
+                )
+            if first and row.attempts > 0:
+                self.wait_owed_backoff(row, policy)
+            first = False
+            seq = self.attempt(seq, row, step, policy, max_attempts, input_value, restore)
+
+    def attempt(
+        self,
+        seq: int,
+        row: TaskRow,
+        step: Step[Any],
+        policy: RetryPolicy,
+        max_attempts: int,
+        input_value: Any,
+        restore: Callable[[], contextlib.AbstractContextManager[Any]],
+    ) -> int:
+        """Run one attempt of task `seq`; the seq to go on with."""
+        engine = self.engine
+        if engine.draining.is_set():
+            self.release()
+        timeout = policy.timeout or engine.settings.task_timeout
+        deadline = time.monotonic() + timeout
+        cancelled = self.lease.begin_attempt(deadline)
+        engine.heartbeat.watch_deadline(deadline)
+        taskrun: TaskRun[Any] = TaskRun(
+            run_id=self.run_id,
+            seq=seq,
+            input=input_value,
+            outputs=self.output,
+            attempt=row.attempts + 1,
+            max_attempts=max_attempts,
+            deadline=deadline,
+            cancelled=cancelled,
+        )
+        error: BaseException | None = None
+        result: Any = None
+        try:
+            with restore():
+                result = step.fn(taskrun)
+        except Exception as e:
+            error = e
+        finally:
+            self.lease.end_attempt()
+        if self.lease.lost:
+            raise _Stop
+        task = step.task
+        document: str | None = None
+        plain: Any = None
+        if error is None and task.records:
+            try:
+                document, plain = codec.encode_document(result, task.output_type)
+            except EncodeError as e:
+                error = e
+        if error is None:
+            return self.complete(seq, row, document, plain)
+        if engine.draining.is_set() or self.lease.reason == SHUTDOWN:
+            # A failure caused by the shutdown does not spend the attempt.
+            self.release()
+        text = error_text(error)
+        if time.monotonic() >= deadline:
+            text = f"timed out after {timeout:g}s: {text}"
+        attempts = row.attempts + 1
+        if is_permanent(error) or attempts >= max_attempts:
+            why = "failed permanently" if is_permanent(error) else "failed on its last attempt"
+            self.park(
+                row,
+                text,
+                code=code_of(error),
+                spent=1,
+                log=f"task {row.name!r} {why} (attempt {attempts} of {max_attempts})",
+            )
+        delay = delay_after(policy, engine.settings, attempts)
+        in_process = delay <= engine.settings.max_in_process_backoff
+        engine.logger.info(
+            "workflow: run %s: task %r attempt %d of %d failed, retrying in %gs%s: %s",
+            self.run_id, row.name, attempts, max_attempts, delay,
+            "" if in_process else " (claim released for a poller)", text,
+            extra=self.extra,
+        )
+        updated = engine.store.fail_task(
+            self.run_row.id, self.run_row.claim_id, seq,
+            error=text, code=code_of(error), spent=1, park=False,
+            keep_claim=in_process, delay=delay,
+        )
+        if updated is None:
+            self.lost()
+        if not in_process:
+            raise _Stop
+        self.tasks[seq - 1] = attrs.evolve(row, attempts=attempts)
+        self.sleep(delay)
+        return seq
+
+    def complete(self, seq: int, row: TaskRow, document: str | None, plain: Any) -> int:
+        """Record task `seq`'s output and move on; the next seq (or stop when done)."""
+        engine = self.engine
+        next_seq = seq + 1
+        while next_seq <= len(self.tasks) and self.tasks[next_seq - 1].skipped:
+            next_seq += 1
+        done = next_seq > len(self.tasks)
+        if not engine.store.complete_task(
+            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, done
+        ):
+            self.lost()
+        if document is not None:
+            self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
+            self.outputs[row.name] = self.tasks[seq - 1]
+        if done:
+            engine.finished(self.run_row.id)
+            raise _Stop
+        if engine.draining.is_set():
+            self.release()
+        return next_seq
+
+    # Inputs, context and outputs.
+
+    def open_input(self) -> Any:
+        if self.job.input is not _NO_INPUT:
+            return self.job.input
+        definition = self.engine.registry.definition(self.run_row.workflow)
+        assert definition is not None
+        first = self.tasks[self.run_row.current_seq - 1]
+        try:
+            document = open_document(
+                self.run_row.input, self.run_row.input_sealed, self.run_row.id,
+                self.engine.cipher, "input",
+            )
+            return codec.decode(document, definition.workflow.input_type)
+        except DecodeError as e:
+            self.park(first, f"the run's input no longer opens: {e}")
+
+    def open_context(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        propagation = self.engine.propagation
+        run = self.run_row
+        if propagation is None or (run.context is None and run.context_sealed is None):
+            return contextlib.nullcontext
+        first = self.tasks[run.current_seq - 1]
+        try:
+            document = open_document(
+                run.context, run.context_sealed, run.id, self.engine.cipher, "calling context"
+            )
+            snapshot = propagation.decode_snapshot(document)
+        except DecodeError as e:
+            self.park(first, f"the run's calling context no longer opens: {e}")
+        return lambda: propagation.propagator.restore(snapshot)
+
+    def output(self, task: Task[Any]) -> Any:
+        if task.name in self.decoded:
+            return self.decoded[task.name]
+        row = self.outputs.get(task.name)
+        if row is None or not row.has_output or not task.records:
+            raise OutputMissing(
+                f"task {task.name!r} recorded no output in run {self.run_id} "
+                "(skipped, not run yet, or declared without an output type)"
+            )
+        value = codec.decode(row.output, task.output_type)
+        self.decoded[task.name] = value
+        return value
+
+    # Waiting, parking, releasing.
+
+    def wait_owed_backoff(self, row: TaskRow, policy: RetryPolicy) -> None:
+        """Before resuming a failed task, wait what its last failure owes (database clock)."""
+        if row.failed_at is None or self.run_row.db_now is None:
+            return
+        due = row.failed_at + datetime.timedelta(
+            seconds=delay_after(policy, self.engine.settings, row.attempts)
+        )
+        elapsed = time.monotonic() - self.job.claimed_at
+        owed = (due - self.run_row.db_now).total_seconds() - elapsed
+        if owed <= 0:
+            return
+        if owed > self.engine.settings.max_in_process_backoff:
+            self.release(retry_at=due)
+        self.sleep(owed)
+
+    def sleep(self, seconds: float) -> None:
+        """Sleep between attempts; shutdown or a lost claim cuts it short."""
+        self.lease.begin_attempt(float("inf")).wait(seconds)
+        self.lease.end_attempt()
+        if self.lease.lost:
+            raise _Stop
+        if self.engine.draining.is_set() or self.lease.reason == SHUTDOWN:
+            self.release()
+
+    def park(
+        self,
+        row: TaskRow,
+        text: str,
+        *,
+        code: str | None = None,
+        spent: int = 0,
+        log: str | None = None,
+    ) -> NoReturn:
+        """Park the run on `row` (fenced) and log it at ALERT; always stops."""
+        updated = self.engine.store.fail_task(
+            self.run_row.id, self.run_row.claim_id, row.seq,
+            error=text, code=code, spent=spent, park=True, keep_claim=False, delay=0.0,
+        )
+        if updated is None:
+            self.lost()
+        self.engine.logger.log(
+            ALERT,
+            "workflow: run %s parked on task %r after %d attempts: %s",
+            self.run_id, row.name, updated, log + ": " + text if log else text,
+            extra=self.extra,
+        )
+        self.engine.finished(self.run_row.id)
+        raise _Stop
+
+    def release(self, retry_at: datetime.datetime | None = None) -> NoReturn:
+        """Give the claim up without ending an attempt; always stops."""
+        try:
+            released = self.engine.store.release_claim(
+                self.run_row.id, self.run_row.claim_id, retry_at
+            )
+        except Exception:
+            self.engine.logger.exception(
+                "workflow: run %s: releasing the claim failed; a sweeper will reclaim it",
+                self.run_id, extra=self.extra,
+            )
+            raise _Stop from None
+        if not released:
+            self.lost()
+        raise _Stop
+
+    def lost(self) -> NoReturn:
+        """A fenced write matched nothing: another executor owns the run."""
+        self.lease.cancel(LOST)
+        self.engine.logger.warning(
+            "workflow: run %s: claim lost (another executor owns the run); stopping",
+            self.run_id, extra=self.extra,
+        )
+        raise _Stop

@@ -1,0 +1,148 @@
+"""Keeping this process's claims alive, and setting `cancelled` at attempt deadlines.
+
+One `Heartbeat` per manager: a thread that refreshes every live claim in a single
+statement per tick. A claim whose attempt is past its deadline is no longer
+heartbeated, so a handler hung past its timeout is reclaimed by a sweeper after
+`sweep_max_age`. A claim the statement no longer finds was lost: its lease is
+cancelled and its execution ends without writing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+
+from workflow.store import Store
+
+DEADLINE = "deadline"
+LOST = "lost"
+SHUTDOWN = "shutdown"
+
+
+class Lease:
+    """One claim held by one execution in this process."""
+
+    def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
+        self.run_id = run_id
+        self.claim_id = claim_id
+        self.cancelled = threading.Event()
+        self.deadline = math.inf
+        self.reason: str | None = None
+        self._lock = threading.Lock()
+
+    def begin_attempt(self, deadline: float) -> threading.Event:
+        """A fresh `cancelled` event for an attempt ending at `deadline` (monotonic)."""
+        with self._lock:
+            if self.reason in (LOST, SHUTDOWN):
+                event = self.cancelled
+            else:
+                self.reason = None
+                event = self.cancelled = threading.Event()
+            self.deadline = deadline
+        return event
+
+    def end_attempt(self) -> None:
+        """The attempt is over: heartbeat the claim again while the executor goes on."""
+        with self._lock:
+            self.deadline = math.inf
+
+    def cancel(self, reason: str) -> None:
+        """Set `cancelled`; a lost claim or shutdown outranks a deadline."""
+        with self._lock:
+            if self.reason in (LOST, SHUTDOWN) and reason == DEADLINE:
+                return
+            if self.reason != LOST:
+                self.reason = reason
+            self.cancelled.set()
+
+    @property
+    def lost(self) -> bool:
+        """True once the claim is known to belong to someone else."""
+        return self.reason == LOST
+
+
+class Heartbeat:
+    """The manager's heartbeat thread: `start()`, `add()`/`remove()` leases, `stop()`."""
+
+    def __init__(self, store: Store, interval: float, logger: logging.Logger) -> None:
+        self._store = store
+        self._interval = interval
+        self._logger = logger
+        self._leases: dict[uuid.UUID, Lease] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._next_wake = math.inf
+        self._thread = threading.Thread(target=self._loop, name="workflow-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop the thread; blocks until it has exited (or `timeout`)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def add(self, lease: Lease) -> None:
+        """Heartbeat this lease's claim until `remove`."""
+        with self._lock:
+            self._leases[lease.claim_id] = lease
+
+    def remove(self, lease: Lease) -> None:
+        """Stop heartbeating this lease's claim."""
+        with self._lock:
+            self._leases.pop(lease.claim_id, None)
+
+    def watch_deadline(self, deadline: float) -> None:
+        """Make sure the thread wakes by `deadline` to set `cancelled` on time."""
+        if deadline < self._next_wake:
+            self._wake.set()
+
+    def leases(self) -> list[Lease]:
+        """The leases held now."""
+        with self._lock:
+            return list(self._leases.values())
+
+    def _loop(self) -> None:
+        next_beat = time.monotonic() + self._interval
+        while not self._stopping:
+            now = time.monotonic()
+            earliest = math.inf
+            for lease in self.leases():
+                if lease.deadline <= now:
+                    if not lease.cancelled.is_set():
+                        lease.cancel(DEADLINE)
+                else:
+                    earliest = min(earliest, lease.deadline)
+            if now >= next_beat:
+                self._beat(now)
+                next_beat = time.monotonic() + self._interval
+            self._next_wake = min(next_beat, earliest)
+            self._wake.wait(max(0.0, self._next_wake - time.monotonic()))
+            self._wake.clear()
+
+    def _beat(self, now: float) -> None:
+        live = [lease for lease in self.leases() if lease.deadline > now]
+        if not live:
+            return
+        try:
+            held = self._store.heartbeat([lease.claim_id for lease in live])
+        except Exception:
+            self._logger.exception("workflow: heartbeat of %d claims failed", len(live))
+            return
+        with self._lock:
+            current = set(self._leases)
+        for lease in live:
+            if lease.claim_id not in held and lease.claim_id in current:
+                self._logger.warning(
+                    "workflow: run %s: claim lost (another executor owns the run); stopping",
+                    lease.run_id,
+                    extra={"run_id": str(lease.run_id)},
+                )
+                lease.cancel(LOST)

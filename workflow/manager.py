@@ -1,0 +1,448 @@
+"""The manager: one per process, over a connection pool; starts, executes and watches runs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import psycopg
+from psycopg_pool import ConnectionPool
+
+from workflow import codec
+from workflow.config import Config, RunnerConfig, Settings
+from workflow.definition import Registry, Workflow
+from workflow.durations import Duration, seconds
+from workflow.errors import ConfigError, DecodeError, RunNotFound, WorkflowError
+from workflow.executor import Engine, Job, execute
+from workflow.heartbeat import SHUTDOWN, Heartbeat
+from workflow.run import Failure, Run, RunStatus, Status
+from workflow.sealing import open_document, seal_document
+from workflow.store import ClaimedRun, Store, TaskRow, in_transaction
+
+if TYPE_CHECKING:
+    from workflow.runnable import Runnable
+
+_managers: weakref.WeakSet[Manager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for manager in list(_managers):
+        manager._forked = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _parse_id(run_id: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(run_id)
+    except (TypeError, ValueError, AttributeError):
+        raise RunNotFound(f"no run has id {run_id!r}") from None
+
+
+class Manager:
+    """Starts runs, executes them on a local thread pool, and watches them.
+
+    `db` is a `psycopg_pool.ConnectionPool` (borrowed, never closed here) or a
+    connection string (the manager builds and owns a pool). Construction
+    freezes `registry`, reads the schema version (one query) and raises
+    `workflow.store.SchemaOutdated` when the database is behind, and
+    `ConfigError` unless every task's timeout plus `max_in_process_backoff` is
+    under `sweep_max_age`. A manager must not cross a `fork()`: build it in the
+    child (Gunicorn: in `post_fork`, or lazily on first request).
+    """
+
+    def __init__(
+        self,
+        db: ConnectionPool[Any] | str,
+        registry: Registry,
+        config: Config | None = None,
+        *,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if not isinstance(registry, Registry):
+            raise TypeError(f"Manager needs a workflow.Registry, not {type(registry).__name__}")
+        self._config = config if config is not None else Config()
+        if not isinstance(self._config, Config):
+            raise ConfigError(f"Manager needs a workflow.Config, not {type(config).__name__}")
+        self._settings = Settings.of(self._config)
+        self._logger = logger or logging.getLogger("workflow")
+        self._registry = registry
+        self._forked = False
+        self._closed = False
+        registry.freeze()
+        self._check_timeouts()
+        if isinstance(db, str):
+            self._pool: ConnectionPool[Any] = ConnectionPool(
+                db,
+                min_size=1,
+                max_size=max(4, min(self._settings.max_local_runs, 16)),
+                kwargs={"autocommit": True},
+                open=False,
+                name="workflow",
+            )
+            self._owns_pool = True
+            self._pool.open(wait=True, timeout=30.0)
+        elif isinstance(db, ConnectionPool):
+            self._pool = db
+            self._owns_pool = False
+        else:
+            raise TypeError(
+                "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
+                f"not {type(db).__name__}"
+            )
+        self._store = Store(self._pool)
+        try:
+            self._store.check_schema()
+        except BaseException:
+            if self._owns_pool:
+                self._pool.close()
+            raise
+        self._draining = threading.Event()
+        self._slots = threading.BoundedSemaphore(self._settings.max_local_runs)
+        self._threads = ThreadPoolExecutor(
+            max_workers=self._settings.max_local_runs, thread_name_prefix="workflow-run"
+        )
+        self._in_flight = 0
+        self._in_flight_lock = threading.Condition()
+        self._waiters: weakref.WeakValueDictionary[uuid.UUID, threading.Event] = (
+            weakref.WeakValueDictionary()
+        )
+        self._waiters_lock = threading.Lock()
+        self._heartbeat = Heartbeat(self._store, self._settings.heartbeat_interval, self._logger)
+        self._engine = Engine(
+            store=self._store,
+            registry=registry,
+            settings=self._settings,
+            logger=self._logger,
+            heartbeat=self._heartbeat,
+            cipher=self._config.cipher,
+            propagation=self._config.context,
+            draining=self._draining,
+            finished=self._finished,
+        )
+        self._heartbeat.start()
+        _managers.add(self)
+
+    def _check_timeouts(self) -> None:
+        settings = self._settings
+        for name in self._registry.names():
+            definition = self._registry.definition(name)
+            assert definition is not None
+            for step in definition.steps:
+                policy = self._registry.policy(name, step.task.name)
+                timeout = policy.timeout or settings.task_timeout
+                if timeout + settings.max_in_process_backoff >= settings.sweep_max_age:
+                    raise ConfigError(
+                        f"workflow {name!r}, task {step.task.name!r}: timeout {timeout:g}s + "
+                        f"max_in_process_backoff {settings.max_in_process_backoff:g}s must be "
+                        f"under sweep_max_age {settings.sweep_max_age:g}s, or a sweeper could "
+                        "reclaim a run whose executor is still inside a legitimate attempt"
+                    )
+
+    def _check_usable(self) -> None:
+        if self._forked:
+            raise WorkflowError(
+                "workflow: this Manager was built before os.fork() and cannot be used in the "
+                "child; build the Manager after the fork (Gunicorn: in post_fork, or lazily "
+                "on the first request)"
+            )
+
+    @property
+    def registry(self) -> Registry:
+        """The (frozen) registry this manager runs."""
+        return self._registry
+
+    @property
+    def config(self) -> Config:
+        """The configuration this manager was built with."""
+        return self._config
+
+    @property
+    def logger(self) -> logging.Logger:
+        """The logger the engine writes to."""
+        return self._logger
+
+    # Starting runs.
+
+    def _start(
+        self,
+        wf: Workflow[Any],
+        input: Any,
+        *,
+        idempotency_key: str | None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> Run:
+        self._check_usable()
+        definition = self._registry.definition(wf.name)
+        if definition is None:
+            raise WorkflowError(
+                f"workflow {wf.name!r} is not registered with this manager; register it "
+                "before building the Manager"
+            )
+        if idempotency_key is not None and (
+            not isinstance(idempotency_key, str) or not idempotency_key
+        ):
+            raise TypeError(
+                f"idempotency_key must be a non-empty str, got {idempotency_key!r}"
+            )
+        if conn is not None:
+            if not isinstance(conn, psycopg.Connection):
+                raise TypeError(
+                    f"start_tx() needs a psycopg.Connection, not {type(conn).__name__}"
+                )
+            in_transaction(conn)
+        run_id = uuid.uuid4()
+        input_text, _ = codec.encode_document(input, wf.input_type)
+        cipher = self._config.cipher
+        input_plain, input_sealed = seal_document(input_text, run_id, cipher)
+        context_plain = context_sealed = None
+        if self._config.context is not None:
+            context_plain, context_sealed = seal_document(
+                self._config.context.capture_document(), run_id, cipher
+            )
+        if idempotency_key is not None:
+            existing = self._store.find_idempotent_run(conn, wf.name, idempotency_key)
+            if existing is not None:
+                return Run(self, str(existing))
+        skipped = [bool(step.skip(input)) if step.skip else False for step in definition.steps]
+        current = next((i + 1 for i, s in enumerate(skipped) if not s), len(skipped) + 1)
+        all_skipped = current > len(skipped)
+        fast = conn is None and not all_skipped and self._try_slot()
+        claim_id = uuid.uuid4() if fast else None
+        params = {
+            "id": run_id,
+            "workflow": wf.name,
+            "status": "succeeded" if all_skipped else ("running" if fast else "pending"),
+            "idempotency_key": idempotency_key,
+            "input": input_plain,
+            "input_sealed": input_sealed,
+            "context": context_plain,
+            "context_sealed": context_sealed,
+            "task_count": len(skipped),
+            "current_seq": current,
+            "claim_id": claim_id,
+            "names": [step.task.name for step in definition.steps],
+            "skipped": skipped,
+            "wake": not fast and not all_skipped,
+        }
+        try:
+            inserted = self._store.insert_run(conn, params)
+        except BaseException:
+            if fast:
+                self._release_slot()
+            raise
+        if inserted is None:
+            if fast:
+                self._release_slot()
+            assert idempotency_key is not None
+            existing = self._store.find_idempotent_run(conn, wf.name, idempotency_key)
+            if existing is None:
+                raise WorkflowError(
+                    f"workflow {wf.name!r}: idempotency key {idempotency_key!r} collided with "
+                    "a run that is not visible yet (started in a transaction still open)"
+                )
+            return Run(self, str(existing))
+        if fast:
+            assert claim_id is not None
+            tasks = tuple(
+                TaskRow(
+                    seq=i + 1,
+                    name=step.task.name,
+                    skipped=skipped[i],
+                    attempts=0,
+                    has_output=False,
+                    output=None,
+                    failed_at=None,
+                )
+                for i, step in enumerate(definition.steps)
+            )
+            claimed = ClaimedRun(
+                id=run_id,
+                workflow=wf.name,
+                claim_id=claim_id,
+                input=None,
+                input_sealed=None,
+                context=None if context_plain is None else json.loads(context_plain),
+                context_sealed=context_sealed,
+                current_seq=current,
+                db_now=None,
+                tasks=tasks,
+            )
+            self._launch(Job(run=claimed, input=input))
+        return Run(self, str(run_id))
+
+    # Fast-path executions.
+
+    def _try_slot(self) -> bool:
+        if self._draining.is_set() or self._forked:
+            return False
+        if not self._slots.acquire(blocking=False):
+            return False
+        with self._in_flight_lock:
+            self._in_flight += 1
+        return True
+
+    def _release_slot(self) -> None:
+        self._slots.release()
+        with self._in_flight_lock:
+            self._in_flight -= 1
+            self._in_flight_lock.notify_all()
+
+    def _launch(self, job: Job) -> None:
+        """Execute `job` on the fast-path pool; the caller holds a slot."""
+        try:
+            self._threads.submit(self._execute_in_slot, job)
+        except RuntimeError:
+            self._release_slot()
+            self._store.release_claim(job.run.id, job.run.claim_id)
+
+    def _execute_in_slot(self, job: Job) -> None:
+        try:
+            execute(self._engine, job)
+        finally:
+            self._release_slot()
+
+    def _finished(self, run_id: uuid.UUID) -> None:
+        event = self._waiters.get(run_id)
+        if event is not None:
+            event.set()
+
+    # Watching runs.
+
+    def run(self, run_id: str) -> Run:
+        """A handle on an existing run; `RunNotFound` for an unknown or malformed id.
+
+        Blocks on one query.
+        """
+        self._check_usable()
+        self._status_row(run_id)
+        return Run(self, run_id)
+
+    def _status_row(self, run_id: str) -> Any:
+        row = self._store.run_status(_parse_id(run_id))
+        if row is None:
+            raise RunNotFound(f"no run has id {run_id!r}")
+        return row
+
+    def _status(self, run_id: str) -> RunStatus:
+        self._check_usable()
+        row = self._status_row(run_id)
+        status = Status(row.status)
+        failure = None
+        if status is Status.PARKED:
+            failure = Failure(
+                task=row.task or "",
+                error=row.error or "",
+                code=row.error_code,
+                attempts=row.attempts or 0,
+            )
+        return RunStatus(
+            status=status, failure=failure, created_at=row.created_at, finished_at=row.finished_at
+        )
+
+    def _wait(self, run_id: str, timeout: Duration | None) -> Status:
+        self._check_usable()
+        key = _parse_id(run_id)
+        deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
+        with self._waiters_lock:
+            event = self._waiters.get(key)
+            if event is None:
+                event = threading.Event()
+                self._waiters[key] = event
+        while True:
+            status = self._status(run_id).status
+            if status.terminal:
+                return status
+            self._kick(key)
+            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
+            if remaining <= 0:
+                return Status.RUNNING
+            event.wait(remaining)
+
+    def _kick(self, run_id: uuid.UUID) -> None:
+        """Claim and execute `run_id` here when it is claimable now and there is room."""
+        if not self._try_slot():
+            return
+        try:
+            claimed = self._store.claim_run(run_id, uuid.uuid4())
+        except BaseException:
+            self._release_slot()
+            raise
+        if claimed is None or self._registry.definition(claimed.workflow) is None:
+            if claimed is not None:
+                self._store.release_claim(claimed.id, claimed.claim_id)
+            self._release_slot()
+            return
+        self._launch(Job(run=claimed))
+
+    def _read_input(self, wf: Workflow[Any], run_id: str) -> Any:
+        self._check_usable()
+        key = _parse_id(run_id)
+        row = self._store.run_input(key)
+        if row is None or row[0] != wf.name:
+            raise RunNotFound(f"no run of workflow {wf.name!r} has id {run_id!r}")
+        document = open_document(row[1], row[2], key, self._config.cipher, "input")
+        try:
+            return codec.decode(document, wf.input_type)
+        except DecodeError:
+            raise
+
+    # Workers and shutdown.
+
+    def new_runnable(self, config: RunnerConfig | None = None) -> Runnable:
+        """A poller and sweeper over this manager; call `run()` or `start()` on it."""
+        from workflow.runnable import Runnable
+
+        self._check_usable()
+        return Runnable(self, config or RunnerConfig())
+
+    def _drain(self, timeout: float | None) -> bool:
+        """Stop launches, cancel in-flight attempts, await them; True when all ended."""
+        self._draining.set()
+        for lease in self._heartbeat.leases():
+            lease.cancel(SHUTDOWN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._in_flight_lock:
+            while self._in_flight > 0:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._in_flight_lock.wait(left)
+        return True
+
+    def close(self, timeout: Duration | None = None) -> None:
+        """Drain and release: blocks until in-flight executions end (or `timeout`).
+
+        No new fast-path launches; in-flight handlers see `cancelled`; a success
+        is recorded, a failure caused by the shutdown is not counted, claims are
+        released for immediate re-claim. Then the heartbeat stops and an owned
+        pool is closed. `start` still inserts afterwards; the rows wait for a
+        poller. Idempotent.
+        """
+        if self._closed:
+            return
+        limit = None if timeout is None else seconds(timeout, "timeout")
+        if not self._drain(limit):
+            self._logger.warning(
+                "workflow: close() timed out with executions in flight; their claims will be "
+                "swept after sweep_max_age"
+            )
+        self._closed = True
+        self._threads.shutdown(wait=False)
+        self._heartbeat.stop()
+        if self._owns_pool and not self._forked:
+            self._pool.close()
+
+    def __enter__(self) -> Manager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
