@@ -105,3 +105,35 @@ def db(db_url: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to the test's migrated database, for inspection."""
     with psycopg.connect(db_url, autocommit=True) as conn:
         yield conn
+
+
+@pytest.fixture
+def pool(db_url: str) -> Iterator[Any]:
+    """A psycopg_pool.ConnectionPool on the test's database, closed afterwards."""
+    from psycopg_pool import ConnectionPool
+
+    p: ConnectionPool[Any] = ConnectionPool(db_url, min_size=1, max_size=8, open=True)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def make_manager(pool: Any) -> Iterator[Any]:
+    """A factory `make_manager(registry, config=None, **kwargs)` over `pool`.
+
+    Every manager it built is closed (with a 10 s drain) after the test.
+    """
+    import workflow
+
+    built: list[workflow.Manager] = []
+
+    def make(
+        registry: workflow.Registry, config: workflow.Config | None = None, **kwargs: Any
+    ) -> workflow.Manager:
+        mgr = workflow.Manager(pool, registry, config, **kwargs)
+        built.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in built:
+        mgr.close(timeout=10)
