@@ -36,6 +36,7 @@ from workflow.errors import (
 )
 from workflow.heartbeat import LOST, SHUTDOWN, Heartbeat, Lease
 from workflow.logs import ALERT
+from workflow.run import Status
 from workflow.sealing import Cipher, Propagation, open_document
 from workflow.store import ClaimedRun, Store, TaskRow
 from workflow.taskrun import TaskRun
@@ -55,7 +56,7 @@ class Engine:
     cipher: Cipher | None
     propagation: Propagation[Any] | None
     draining: threading.Event
-    finished: Callable[[uuid.UUID], None]
+    finished: Callable[[uuid.UUID, Status | None], None]
 
 
 @attrs.frozen
@@ -83,7 +84,9 @@ def delay_after(policy: RetryPolicy, settings: Settings, attempts: int) -> float
 def execute(engine: Engine, job: Job) -> None:
     """Run `job` from its current task until it finishes, parks, or must stop.
 
-    Never raises: unexpected errors are logged and the claim is released.
+    Never raises: unexpected errors are logged and the claim is released. Calls
+    `engine.finished(run_id, status)` at the end, with the terminal status this
+    execution wrote, or None when it stopped without one.
     """
     lease = Lease(job.run.id, job.run.claim_id)
     engine.heartbeat.add(lease)
@@ -98,9 +101,11 @@ def execute(engine: Engine, job: Job) -> None:
             job.run.id,
             extra={"run_id": str(job.run.id)},
         )
-        execution.release()
+        with contextlib.suppress(_Stop):
+            execution.release()
     finally:
         engine.heartbeat.remove(lease)
+        engine.finished(job.run.id, execution.outcome)
 
 
 class _Execution:
@@ -118,6 +123,7 @@ class _Execution:
         self.tasks = list(job.run.tasks)
         self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
         self.decoded: dict[str, Any] = {}
+        self.outcome: Status | None = None
 
     # The run's life.
 
@@ -249,7 +255,7 @@ class _Execution:
             self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
             self.outputs[row.name] = self.tasks[seq - 1]
         if done:
-            engine.finished(self.run_row.id)
+            self.outcome = Status.SUCCEEDED
             raise _Stop
         if engine.draining.is_set():
             self.release()
@@ -348,7 +354,7 @@ class _Execution:
             self.run_id, row.name, updated, log + ": " + text if log else text,
             extra=self.extra,
         )
-        self.engine.finished(self.run_row.id)
+        self.outcome = Status.PARKED
         raise _Stop
 
     def release(self, retry_at: datetime.datetime | None = None) -> NoReturn:

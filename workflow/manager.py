@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -38,6 +39,19 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_RECENT = 4096
+
+
+class _Completion:
+    """How a local execution of a run ended: set `event`, then read `status`."""
+
+    __slots__ = ("event", "status")
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.status: Status | None = None
 
 
 def _parse_id(run_id: str) -> uuid.UUID:
@@ -112,10 +126,14 @@ class Manager:
         )
         self._in_flight = 0
         self._in_flight_lock = threading.Condition()
+        # Local executions and how recent ones ended, so wait() on a run executed
+        # here costs no query; waiters on runs executed elsewhere poll.
+        self._local: dict[uuid.UUID, _Completion] = {}
+        self._recent: collections.OrderedDict[uuid.UUID, _Completion] = collections.OrderedDict()
         self._waiters: weakref.WeakValueDictionary[uuid.UUID, threading.Event] = (
             weakref.WeakValueDictionary()
         )
-        self._waiters_lock = threading.Lock()
+        self._completion_lock = threading.Lock()
         self._heartbeat = Heartbeat(self._store, self._settings.heartbeat_interval, self._logger)
         self._engine = Engine(
             store=self._store,
@@ -298,11 +316,13 @@ class Manager:
 
     def _launch(self, job: Job) -> None:
         """Execute `job` on the fast-path pool; the caller holds a slot."""
+        self._executing(job.run.id)
         try:
             self._threads.submit(self._execute_in_slot, job)
         except RuntimeError:
             self._release_slot()
             self._store.release_claim(job.run.id, job.run.claim_id)
+            self._finished(job.run.id, None)
 
     def _execute_in_slot(self, job: Job) -> None:
         try:
@@ -310,10 +330,24 @@ class Manager:
         finally:
             self._release_slot()
 
-    def _finished(self, run_id: uuid.UUID) -> None:
-        event = self._waiters.get(run_id)
-        if event is not None:
-            event.set()
+    def _executing(self, run_id: uuid.UUID) -> None:
+        with self._completion_lock:
+            self._local.setdefault(run_id, _Completion())
+
+    def _finished(self, run_id: uuid.UUID, status: Status | None) -> None:
+        with self._completion_lock:
+            completion = self._local.pop(run_id, None)
+            if status is not None:
+                completion = completion or _Completion()
+                completion.status = status
+                self._recent[run_id] = completion
+                while len(self._recent) > _RECENT:
+                    self._recent.popitem(last=False)
+            waiter = self._waiters.get(run_id)
+        if completion is not None:
+            completion.event.set()
+        if waiter is not None:
+            waiter.set()
 
     # Watching runs.
 
@@ -352,25 +386,37 @@ class Manager:
         self._check_usable()
         key = _parse_id(run_id)
         deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
-        with self._waiters_lock:
-            event = self._waiters.get(key)
-            if event is None:
-                event = threading.Event()
-                self._waiters[key] = event
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        with self._completion_lock:
+            waiter = self._waiters.get(key)
+            if waiter is None:
+                waiter = self._waiters[key] = threading.Event()
         while True:
+            with self._completion_lock:
+                local = self._local.get(key) or self._recent.get(key)
+            if local is not None:
+                if local.event.wait(left()) and local.status is not None:
+                    return local.status
+                if not local.event.is_set():
+                    return Status.RUNNING
             status = self._status(run_id).status
             if status.terminal:
                 return status
-            self._kick(key)
-            remaining = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if remaining <= 0:
+            if self._kick(key):
+                continue
+            remaining = left()
+            if remaining is not None and remaining <= 0:
                 return Status.RUNNING
-            event.wait(remaining)
+            waiter.clear()
+            waiter.wait(1.0 if remaining is None else min(1.0, remaining))
 
-    def _kick(self, run_id: uuid.UUID) -> None:
+    def _kick(self, run_id: uuid.UUID) -> bool:
         """Claim and execute `run_id` here when it is claimable now and there is room."""
         if not self._try_slot():
-            return
+            return False
         try:
             claimed = self._store.claim_run(run_id, uuid.uuid4())
         except BaseException:
@@ -380,8 +426,9 @@ class Manager:
             if claimed is not None:
                 self._store.release_claim(claimed.id, claimed.claim_id)
             self._release_slot()
-            return
+            return False
         self._launch(Job(run=claimed))
+        return True
 
     def _read_input(self, wf: Workflow[Any], run_id: str) -> Any:
         self._check_usable()
