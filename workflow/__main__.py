@@ -111,6 +111,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
     if found < SCHEMA_VERSION:
         print(str(SchemaOutdated(found, SCHEMA_VERSION)), file=sys.stderr)
         return 1
+    if found > SCHEMA_VERSION:
+        print("workflow: the database schema is newer than this code (a later release migrated it)")
     return 0
 
 

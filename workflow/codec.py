@@ -8,8 +8,10 @@ dicts, typed containers of these, `Optional`/unions cattrs can tell apart,
 from __future__ import annotations
 
 import dataclasses
+import decimal
 import json
 import math
+import uuid
 from typing import Any
 
 import attrs
@@ -19,6 +21,42 @@ import cattrs.preconf.json
 from workflow.errors import DecodeError, EncodeError
 
 _converter = cattrs.preconf.json.make_converter()
+
+
+def _unstructure_decimal(value: decimal.Decimal) -> str:
+    if not value.is_finite():
+        raise ValueError(f"Decimal {value} is not finite")
+    return str(value)
+
+
+def _structure_decimal(value: Any, _: Any) -> decimal.Decimal:
+    # A string keeps the exact digits ("0.10" stays "0.10"); a float never would.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise TypeError(f"a Decimal is stored as a string, not {type(value).__name__}")
+    result = decimal.Decimal(value)
+    if not result.is_finite():
+        raise ValueError(f"Decimal {value!r} is not finite")
+    return result
+
+
+def _structure_uuid(value: Any, _: Any) -> uuid.UUID:
+    if not isinstance(value, str):
+        raise TypeError(f"a UUID is stored as a string, not {type(value).__name__}")
+    return uuid.UUID(value)
+
+
+_converter.register_unstructure_hook(decimal.Decimal, _unstructure_decimal)
+_converter.register_structure_hook(decimal.Decimal, _structure_decimal)
+_converter.register_unstructure_hook(uuid.UUID, str)
+_converter.register_structure_hook(uuid.UUID, _structure_uuid)
+
+
+def _structure_none(value: Any, _: Any) -> None:
+    if value is not None:
+        raise TypeError(f"expected null, not {type(value).__name__}")
+
+
+_converter.register_structure_hook(type(None), _structure_none)
 _dumps = json.JSONEncoder(
     ensure_ascii=False, allow_nan=False, separators=(",", ":")
 ).encode

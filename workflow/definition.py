@@ -165,8 +165,18 @@ def handle(
     )
 
 
+class AnyDefinition:
+    """A `Definition` of any input type: what `Registry.register` accepts.
+
+    Not generic on purpose: a `Definition[Any]` parameter would let mypy infer
+    `define()`'s input type as `Any` and accept a handler of the wrong input type.
+    """
+
+    __slots__ = ()
+
+
 @attrs.frozen
-class Definition(Generic[In]):
+class Definition(AnyDefinition, Generic[In]):
     """A workflow with its ordered steps; built by `define()`, given to `Registry.register`."""
 
     workflow: Workflow[In]
@@ -203,7 +213,7 @@ class Registry:
         self._policies: dict[tuple[str, str], RetryPolicy] = {}
         self._output_types: dict[str, Any] = {}
 
-    def register(self, definition: Definition[Any]) -> None:
+    def register(self, definition: AnyDefinition) -> None:
         """Validate `definition` and add it.
 
         Raises `RegistrationError` naming the problem: a frozen registry, a

@@ -8,6 +8,8 @@ reachable as `__cause__` so tracebacks remain useful.
 
 from __future__ import annotations
 
+from typing import overload
+
 
 class WorkflowError(Exception):
     """Base class of every error raised by the library itself."""
@@ -67,7 +69,8 @@ class CodedError(WorkflowError):
 def _wrap(exc: BaseException, *, permanent: bool, code: str | None) -> WorkflowError:
     """Re-wrap `exc`, keeping its message and the exception it was built around."""
     if isinstance(exc, (Permanent, CodedError)):
-        message, cause = str(exc), exc.__cause__
+        # Unwrap to the original; a Permanent raised directly is itself the original.
+        message, cause = str(exc), exc.__cause__ or exc
     else:
         message, cause = error_text(exc), exc
     wrapped: WorkflowError
@@ -80,6 +83,18 @@ def _wrap(exc: BaseException, *, permanent: bool, code: str | None) -> WorkflowE
     return wrapped
 
 
+@overload
+def permanent(exc: BaseException) -> BaseException: ...
+
+
+@overload
+def permanent(exc: None) -> None: ...
+
+
+@overload
+def permanent(exc: BaseException | None) -> BaseException | None: ...
+
+
 def permanent(exc: BaseException | None) -> BaseException | None:
     """Return an exception that parks the run now; None for None.
 
@@ -88,6 +103,18 @@ def permanent(exc: BaseException | None) -> BaseException | None:
     if exc is None or isinstance(exc, Permanent):
         return exc
     return _wrap(exc, permanent=True, code=code_of(exc))
+
+
+@overload
+def with_code(code: str, exc: BaseException) -> BaseException: ...
+
+
+@overload
+def with_code(code: str, exc: None) -> None: ...
+
+
+@overload
+def with_code(code: str, exc: BaseException | None) -> BaseException | None: ...
 
 
 def with_code(code: str, exc: BaseException | None) -> BaseException | None:

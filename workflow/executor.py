@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import logging
 import threading
 import time
@@ -166,6 +167,8 @@ class _Execution:
     ) -> int:
         """Run one attempt of task `seq`; the seq to go on with."""
         engine = self.engine
+        if self.lease.lost:
+            raise _Stop
         if engine.draining.is_set():
             self.release()
         timeout = policy.timeout or engine.settings.task_timeout
@@ -285,8 +288,10 @@ class _Execution:
             return contextlib.nullcontext
         first = self.tasks[run.current_seq - 1]
         try:
+            # The stored JSON text: "null" is a snapshot too (of an Optional type).
+            plain = None if run.context is None else json.loads(run.context)
             document = open_document(
-                run.context, run.context_sealed, run.id, self.engine.cipher, "calling context"
+                plain, run.context_sealed, run.id, self.engine.cipher, "calling context"
             )
             snapshot = propagation.decode_snapshot(document)
         except DecodeError as e:

@@ -101,6 +101,8 @@ class Heartbeat:
 
     def watch_deadline(self, deadline: float) -> None:
         """Make sure the thread wakes by `deadline` to set `cancelled` on time."""
+        # While the thread is awake `_next_wake` is infinite, so a deadline added
+        # after its scan still wakes it.
         if deadline < self._next_wake:
             self._wake.set()
 
@@ -112,6 +114,7 @@ class Heartbeat:
     def _loop(self) -> None:
         next_beat = time.monotonic() + self._interval
         while not self._stopping:
+            self._next_wake = math.inf
             now = time.monotonic()
             earliest = math.inf
             for lease in self.leases():
@@ -123,8 +126,9 @@ class Heartbeat:
             if now >= next_beat:
                 self._beat(now)
                 next_beat = time.monotonic() + self._interval
-            self._next_wake = min(next_beat, earliest)
-            self._wake.wait(max(0.0, self._next_wake - time.monotonic()))
+            planned = min(next_beat, earliest)
+            self._next_wake = planned
+            self._wake.wait(max(0.0, planned - time.monotonic()))
             self._wake.clear()
 
     def _beat(self, now: float) -> None:

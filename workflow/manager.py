@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import os
 import threading
@@ -112,7 +111,7 @@ class Manager:
                 "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
                 f"not {type(db).__name__}"
             )
-        self._store = Store(self._pool)
+        self._store = Store(self._pool, self._logger)
         try:
             self._store.check_schema()
         except BaseException:
@@ -126,6 +125,7 @@ class Manager:
         )
         self._in_flight = 0
         self._in_flight_lock = threading.Condition()
+        self._runnables: weakref.WeakSet[Runnable] = weakref.WeakSet()
         # Local executions and how recent ones ended, so wait() on a run executed
         # here costs no query; waiters on runs executed elsewhere poll.
         self._local: dict[uuid.UUID, _Completion] = {}
@@ -288,7 +288,7 @@ class Manager:
                 claim_id=claim_id,
                 input=None,
                 input_sealed=None,
-                context=None if context_plain is None else json.loads(context_plain),
+                context=context_plain,
                 context_sealed=context_sealed,
                 current_seq=current,
                 db_now=None,
@@ -397,11 +397,21 @@ class Manager:
         while True:
             with self._completion_lock:
                 local = self._local.get(key) or self._recent.get(key)
-            if local is not None:
-                if local.event.wait(left()) and local.status is not None:
-                    return local.status
-                if not local.event.is_set():
+            if local is not None and not local.event.is_set():
+                # Executing here: its end wakes us at once. Still read the database
+                # every second: a hung local attempt may have been swept and the
+                # run finished by another executor.
+                remaining = left()
+                if local.event.wait(1.0 if remaining is None else min(1.0, remaining)):
+                    continue
+                status = self._status(run_id).status
+                if status.terminal:
+                    return status
+                if left() == 0.0:
                     return Status.RUNNING
+                continue
+            if local is not None and local.status is not None:
+                return local.status
             status = self._status(run_id).status
             if status.terminal:
                 return status
@@ -449,7 +459,9 @@ class Manager:
         from workflow.runnable import Runnable
 
         self._check_usable()
-        return Runnable(self, config or RunnerConfig())
+        runnable = Runnable(self, config or RunnerConfig())
+        self._runnables.add(runnable)
+        return runnable
 
     def _drain(self, timeout: float | None) -> bool:
         """Stop launches, cancel in-flight attempts, await them; True when all ended."""
@@ -463,6 +475,11 @@ class Manager:
                 if left is not None and left <= 0:
                     return False
                 self._in_flight_lock.wait(left)
+        # Executions claimed by this manager's workers are in flight too.
+        for runnable in list(self._runnables):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not runnable._poller.wait_idle(left):
+                return False
         return True
 
     def close(self, timeout: Duration | None = None) -> None:

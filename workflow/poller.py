@@ -66,7 +66,13 @@ class Poller(Service):
             for run in claimed:
                 with self._idle:
                     self._in_flight += 1
-                self._threads.submit(self._execute, Job(run=run))
+                try:
+                    self._threads.submit(self._execute, Job(run=run))
+                except RuntimeError:  # stop() gave up joining us and shut the pool down
+                    with self._idle:
+                        self._in_flight -= 1
+                        self._idle.notify_all()
+                    self._engine.store.release_claim(run.id, run.claim_id)
             if len(claimed) < limit:
                 self._sleep(self._settings.poll_interval)
 

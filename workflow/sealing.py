@@ -137,7 +137,10 @@ class AESGCMCipher:
             raise ImportError(
                 "AESGCMCipher needs the cryptography package: pip install 'pgworkflow[crypto]'"
             ) from e
-        if isinstance(cast(object, keys), (bytes, bytearray)) or not keys:
+        if isinstance(cast(object, keys), (bytes, bytearray, str)):
+            raise ValueError("AESGCMCipher needs a non-empty sequence of 32-byte keys")
+        keys = list(keys)
+        if not keys:
             raise ValueError("AESGCMCipher needs a non-empty sequence of 32-byte keys")
         self._keys: dict[bytes, Any] = {}
         self._first = b""

@@ -9,7 +9,10 @@ schema chain.
 from __future__ import annotations
 
 import datetime
+import logging
+import random
 import re
+import time
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,7 +22,8 @@ from typing import Any
 import attrs
 import psycopg
 from psycopg import pq
-from psycopg_pool import ConnectionPool
+from psycopg.rows import tuple_row
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from workflow.errors import WorkflowError
 from workflow.store.migrate import (
@@ -40,6 +44,22 @@ __all__ = [
     "migrate",
     "schema_version",
 ]
+
+RETRY_FOR = 30.0
+"""Seconds a statement keeps retrying after losing its connection."""
+
+_LOST_STATES = ("57P01", "57P02", "57P03")
+
+
+def _connection_lost(e: Exception) -> bool:
+    """True for errors that mean the connection, not the statement, failed."""
+    if isinstance(e, PoolTimeout):
+        return True
+    if isinstance(e, psycopg.OperationalError):
+        state = e.sqlstate
+        return state is None or state.startswith("08") or state in _LOST_STATES
+    return False
+
 
 CHANNEL = "workflow_runs"
 """The LISTEN/NOTIFY channel; the payload is the workflow name."""
@@ -80,7 +100,7 @@ class ClaimedRun:
     claim_id: uuid.UUID
     input: Any
     input_sealed: bytes | None
-    context: Any
+    context: str | None
     context_sealed: bytes | None
     current_seq: int
     db_now: datetime.datetime | None
@@ -99,6 +119,13 @@ class RunRow:
     error: str | None
     error_code: str | None
     attempts: int | None
+
+
+def _execute(
+    conn: psycopg.Connection[Any], name: str, params: dict[str, Any]
+) -> list[tuple[Any, ...]]:
+    """Run a named statement on `conn`, rows as tuples whatever its row factory."""
+    return conn.cursor(row_factory=tuple_row).execute(_Q[name], params).fetchall()
 
 
 def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
@@ -128,8 +155,9 @@ def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
 class Store:
     """Runs the named statements of `queries.sql` on a connection pool."""
 
-    def __init__(self, pool: ConnectionPool[Any]) -> None:
+    def __init__(self, pool: ConnectionPool[Any], logger: logging.Logger | None = None) -> None:
         self._pool = pool
+        self._logger = logger or logging.getLogger("workflow")
 
     @contextmanager
     def _conn(self) -> Iterator[psycopg.Connection[Any]]:
@@ -145,8 +173,28 @@ class Store:
                     conn.autocommit = False
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        with self._conn() as conn:
-            return conn.execute(_Q[name], params).fetchall()
+        """Run one statement in its own transaction, riding out connection failures.
+
+        A lost connection (a server restart, a terminated backend, a pool that
+        cannot connect yet) is retried with jittered exponential backoff for up to
+        `RETRY_FOR` seconds. Every statement is safe to repeat: the writes set
+        absolute values under a fence, and `insert_run` recognises its own row.
+        """
+        deadline = time.monotonic() + RETRY_FOR
+        failures = 0
+        while True:
+            try:
+                with self._conn() as conn:
+                    return _execute(conn, name, params)
+            except Exception as e:
+                if not _connection_lost(e) or time.monotonic() >= deadline:
+                    raise
+                failures += 1
+                delay = random.uniform(0.0, min(2.0, 0.05 * 2**failures))
+                self._logger.warning(
+                    "workflow: %s: connection lost (%s); retrying in %.2fs", name, e, delay
+                )
+                time.sleep(delay)
 
     def check_schema(self) -> None:
         """Raise `SchemaOutdated` when the database is behind `SCHEMA_VERSION`."""
@@ -158,9 +206,16 @@ class Store:
     ) -> uuid.UUID | None:
         """Insert a run and its tasks; its id, or None when the idempotency key exists."""
         if conn is None:
-            rows = self._run("insert_run", params)
+            try:
+                rows = self._run("insert_run", params)
+            except psycopg.errors.UniqueViolation as e:
+                # Our retry of an insert whose commit was not acknowledged: the
+                # run id is random, so only our own earlier attempt can hold it.
+                if e.diag.constraint_name != "workflow_runs_pkey":
+                    raise
+                return uuid.UUID(str(params["id"]))
         else:
-            rows = conn.execute(_Q["insert_run"], params).fetchall()
+            rows = _execute(conn, "insert_run", params)
         return rows[0][0] if rows else None
 
     def find_idempotent_run(
@@ -171,7 +226,7 @@ class Store:
         if conn is None:
             rows = self._run("find_idempotent_run", params)
         else:
-            rows = conn.execute(_Q["find_idempotent_run"], params).fetchall()
+            rows = _execute(conn, "find_idempotent_run", params)
         return rows[0][0] if rows else None
 
     def claim_run(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> ClaimedRun | None:

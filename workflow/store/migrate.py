@@ -18,6 +18,7 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
+from psycopg.rows import tuple_row
 from yoyo import read_migrations
 from yoyo.backends.core.postgresql import PostgresqlPsycopgBackend
 from yoyo.connections import parse_uri
@@ -64,6 +65,14 @@ class _Backend(PostgresqlPsycopgBackend):  # type: ignore[misc]
 
     def _check_transactional_ddl(self) -> bool:
         return True
+
+    def create_lock_table(self) -> None:
+        # lock() is the advisory lock below: yoyo's lock table is never needed.
+        pass
+
+    def cursor(self) -> psycopg.Cursor[tuple[Any, ...]]:
+        # yoyo reads rows by position, whatever row factory the caller's connection has.
+        return self._given.cursor(row_factory=tuple_row)
 
     @contextmanager
     def lock(self, timeout: int = 10) -> Iterator[None]:
@@ -135,11 +144,11 @@ def schema_version(url_or_conn: str | psycopg.Connection[Any]) -> int:
     if isinstance(url_or_conn, str):
         with _connect(url_or_conn) as conn:
             return schema_version(conn)
-    conn = url_or_conn
-    row = conn.execute("SELECT to_regclass(%s) IS NOT NULL", (MIGRATION_TABLE,)).fetchone()
+    cur = url_or_conn.cursor(row_factory=tuple_row)
+    row = cur.execute("SELECT to_regclass(%s) IS NOT NULL", (MIGRATION_TABLE,)).fetchone()
     if row is None or not row[0]:
         return 0
-    ids = conn.execute(f"SELECT migration_id FROM {MIGRATION_TABLE}").fetchall()
+    ids = cur.execute(f"SELECT migration_id FROM {MIGRATION_TABLE}").fetchall()
     numbers = [int(m.group(1)) for (mid,) in ids if (m := re.match(r"(\d+)_", mid))]
     return max(numbers, default=0)
 

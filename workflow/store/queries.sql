@@ -46,7 +46,7 @@ WITH pick AS (
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
               r.context_sealed, r.current_seq, r.created_at
 )
-SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context, c.context_sealed,
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
        t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
@@ -69,7 +69,7 @@ WITH pick AS (
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
               r.context_sealed, r.current_seq, r.created_at
 )
-SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context, c.context_sealed,
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
        t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id

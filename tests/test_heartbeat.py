@@ -1,0 +1,469 @@
+"""SPEC section 9, invariant 5: heartbeats, deadlines, lost claims and the sweeper.
+
+A small `sweep_max_age` makes the heartbeat interval (`sweep_max_age / 4`) short.
+Heartbeat movement is read from `workflow_runs.heartbeat_at` (database clock);
+staleness is judged with the database clock too (`now() - heartbeat_at`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+import psycopg
+import pytest
+
+import workflow
+from workflow import Status
+
+# --- helpers -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Inp:
+    n: int
+
+
+@attrs.frozen
+class Out:
+    value: str
+
+
+A = workflow.Task("a", Out)
+B = workflow.Task("b", Out)
+
+
+class Records(logging.Handler):
+    """Collects records; `wait_for(text)` blocks until one contains `text`."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+        self._cond = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._cond:
+            self.records.append(record)
+            self._cond.notify_all()
+
+    def wait_for(self, text: str, timeout: float = 20.0) -> logging.LogRecord:
+        with self._cond:
+            found: list[logging.LogRecord] = []
+
+            def seen() -> bool:
+                found[:] = [r for r in self.records if text in r.getMessage()]
+                return bool(found)
+
+            assert self._cond.wait_for(seen, timeout), f"no log record with {text!r}"
+            return found[0]
+
+
+@pytest.fixture
+def logs() -> Iterator[tuple[logging.Logger, Records]]:
+    logger = logging.getLogger(f"test.heartbeat.{uuid.uuid4().hex}")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    records = Records()
+    logger.addHandler(records)
+    yield logger, records
+    logger.removeHandler(records)
+
+
+def registry(*steps: workflow.Step[Inp]) -> tuple[workflow.Registry, Any]:
+    wf = workflow.Workflow("W", Inp)
+    reg = workflow.Registry()
+    reg.register(workflow.define(wf, *steps))
+    return reg, wf
+
+
+def poll(
+    db: psycopg.Connection[Any],
+    sql: str,
+    params: Any = None,
+    *,
+    until: Callable[[Any], bool],
+    timeout: float = 20.0,
+) -> Any:
+    """Re-run `sql` until `until(row)` holds; the row. Fails after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        row = db.execute(sql, params).fetchone()
+        if until(row):
+            return row
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached; last row: {row!r}")
+        time.sleep(0.02)
+
+
+RUN_SQL = """
+SELECT r.claim_id, r.heartbeat_at, now() - r.heartbeat_at, r.status, t.attempts, t.output,
+       r.current_seq
+FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = 1
+WHERE r.id = %s
+"""
+
+
+def snapshot(db: psycopg.Connection[Any], run_id: str) -> tuple[Any, list[Any]]:
+    run = db.execute("SELECT * FROM workflow_runs WHERE id = %s", (run_id,)).fetchone()
+    tasks = db.execute(
+        "SELECT * FROM workflow_tasks WHERE run_id = %s ORDER BY seq", (run_id,)
+    ).fetchall()
+    return run, tasks
+
+
+class Handler:
+    """Records each attempt's TaskRun; attempt 1 calls `first`, later ones return."""
+
+    def __init__(self, first: Callable[[workflow.TaskRun[Inp]], Out]) -> None:
+        self.first = first
+        self.runs: list[workflow.TaskRun[Inp]] = []
+        self.started = threading.Event()
+
+    def __call__(self, run: workflow.TaskRun[Inp]) -> Out:
+        self.runs.append(run)
+        if run.attempt == 1:
+            self.started.set()
+            return self.first(run)
+        return Out(f"attempt {run.attempt}")
+
+
+# --- heartbeats inside the deadline --------------------------------------------------
+
+
+def test_heartbeat_advances_while_a_long_handler_runs_inside_its_deadline(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    release = threading.Event()
+
+    def blocking(run: workflow.TaskRun[Inp]) -> Out:
+        assert release.wait(20)
+        return Out("done")
+
+    handler = Handler(blocking)
+    # Heartbeat every 0.5 s; the attempt may take 1.9 s.
+    config = workflow.Config(sweep_max_age=2, max_in_process_backoff=0)
+    reg, wf = registry(workflow.handle(A, handler, timeout=1.9))
+    mgr = make_manager(reg, config)
+    sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+    assert sweeper is not None
+    try:
+        run = wf.start(mgr, Inp(1))
+        assert handler.started.wait(10)
+        claim, first_beat, *_ = db.execute(RUN_SQL, (run.id,)).fetchone()
+        assert claim is not None and first_beat is not None
+        row = poll(db, RUN_SQL, (run.id,), until=lambda r: r[1] > first_beat)
+        (taskrun,) = handler.runs
+        assert not taskrun.cancelled.is_set()
+        assert taskrun.remaining() > 0, "the beat came inside the attempt's deadline"
+        assert row[0] == claim
+        second = poll(db, RUN_SQL, (run.id,), until=lambda r: r[1] > row[1])
+        assert second[0] == claim
+        assert sweeper.sweep() == 0, "a heartbeated claim is not stale"
+    finally:
+        release.set()
+    assert run.wait(timeout=30) is Status.SUCCEEDED
+
+
+def test_past_its_deadline_an_attempt_is_no_longer_heartbeated_and_cancelled_is_set(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    release = threading.Event()
+    cancelled_at_deadline: list[tuple[bool, float]] = []
+    seen = threading.Event()
+
+    def hangs(run: workflow.TaskRun[Inp]) -> Out:
+        cancelled_at_deadline.append((run.cancelled.wait(10), run.remaining()))
+        seen.set()
+        assert release.wait(20)
+        return Out("late success")
+
+    handler = Handler(hangs)
+    config = workflow.Config(  # beat every 0.5 s
+        sweep_max_age=2, max_in_process_backoff=0, default_task_timeout=1.5
+    )
+    reg, wf = registry(workflow.handle(A, handler, timeout=0.3), workflow.handle(B, handler))
+    mgr = make_manager(reg, config)
+    try:
+        run = wf.start(mgr, Inp(1))
+        assert seen.wait(15)
+        assert cancelled_at_deadline == [(True, 0.0)], "cancelled is set at the deadline"
+        claim = db.execute(RUN_SQL, (run.id,)).fetchone()[0]
+        # Three heartbeat intervals without a beat (database clock): it stopped.
+        row = poll(
+            db,
+            RUN_SQL,
+            (run.id,),
+            until=lambda r: r[2].total_seconds() > 1.5,
+        )
+        assert row[0] == claim, "the claim is still held, just no longer refreshed"
+        assert row[4] == 0
+    finally:
+        release.set()
+    # The claim was never lost, so the late success counts (SPEC 11).
+    assert run.wait(timeout=30) is Status.SUCCEEDED
+    assert db.execute(
+        "SELECT output, attempts FROM workflow_tasks WHERE run_id = %s AND seq = 1", (run.id,)
+    ).fetchone() == ({"value": "late success"}, 0)
+
+
+# --- a heartbeat that matches zero rows ----------------------------------------------
+
+
+@pytest.mark.parametrize("then", ["returns", "raises"])
+def test_lost_heartbeat_sets_cancelled_and_ends_the_execution_without_writing(
+    make_manager: Any,
+    logs: tuple[logging.Logger, Records],
+    db: psycopg.Connection[Any],
+    then: str,
+) -> None:
+    logger, records = logs
+    observed: list[tuple[bool, float]] = []
+    next_task: list[int] = []
+
+    def waits_for_cancel(run: workflow.TaskRun[Inp]) -> Out:
+        observed.append((run.cancelled.wait(15), run.remaining()))
+        if then == "raises":
+            run.raise_if_cancelled()
+        return Out("written by nobody")
+
+    def b(run: workflow.TaskRun[Inp]) -> Out:
+        next_task.append(run.attempt)
+        return Out("b")
+
+    handler = Handler(waits_for_cancel)
+    config = workflow.Config(  # beat every 1 s
+        sweep_max_age=4, max_in_process_backoff=0, default_task_timeout=3
+    )
+    reg, wf = registry(
+        workflow.handle(A, handler, timeout=3.9, max_attempts=3, backoff_schedule=[0]),
+        workflow.handle(B, b),
+    )
+    mgr = make_manager(reg, config, logger=logger)
+    run = wf.start(mgr, Inp(1))
+    assert handler.started.wait(10)
+    thief = uuid.uuid4()
+    db.execute(
+        "UPDATE workflow_runs SET claim_id = %s, heartbeat_at = now() WHERE id = %s",
+        (thief, run.id),
+    )
+    before = snapshot(db, run.id)
+    lost = records.wait_for("claim lost")
+    assert lost.run_id == run.id  # type: ignore[attr-defined]
+    mgr.close(timeout=10)  # the execution has ended
+    ((was_set, remaining),) = observed
+    assert was_set
+    assert remaining > 0, "cancelled by the lost heartbeat, not by the deadline"
+    after = snapshot(db, run.id)
+    # Only the thief's own heartbeat could differ; nothing else was written.
+    assert after[1] == before[1]
+    assert after[0][:11] + after[0][12:] == before[0][:11] + before[0][12:]
+    claim, _, _, status, attempts, output, current_seq = db.execute(RUN_SQL, (run.id,)).fetchone()
+    assert (claim, status, attempts, output, current_seq) == (thief, "running", 0, None, 1)
+    assert next_task == []
+    assert len(handler.runs) == 1
+
+
+# --- the sweeper ---------------------------------------------------------------------
+
+
+def hung_run(
+    make_manager: Any, db: psycopg.Connection[Any], release: threading.Event
+) -> tuple[workflow.Manager, Handler, workflow.Registry, workflow.Run, Any]:
+    def hangs(run: workflow.TaskRun[Inp]) -> Out:
+        assert release.wait(30)  # ignores `cancelled`
+        return Out("hung attempt")
+
+    handler = Handler(hangs)
+    # Heartbeat every 0.25 s; a claim is stale after 1 s without one.
+    config = workflow.Config(sweep_max_age=1, max_in_process_backoff=0, default_task_timeout=0.5)
+    reg, wf = registry(
+        workflow.handle(A, handler, timeout=0.3, max_attempts=3, backoff_schedule=[0]),
+        workflow.handle(B, lambda run: Out("b saw " + run.output(A).value)),
+    )
+    mgr = make_manager(reg, config)
+    run = wf.start(mgr, Inp(1))
+    assert handler.started.wait(10)
+    return mgr, handler, reg, run, config
+
+
+def test_hung_handler_is_swept_after_sweep_max_age_with_its_attempt_counted(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    release = threading.Event()
+    try:
+        mgr, handler, reg, run, config = hung_run(make_manager, db, release)
+        claim = db.execute(RUN_SQL, (run.id,)).fetchone()[0]
+        sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+        assert sweeper is not None
+        deadline = time.monotonic() + 20
+        swept = 0
+        while swept == 0:
+            stale = db.execute(
+                "SELECT now() - heartbeat_at > interval '1 second' FROM workflow_runs "
+                "WHERE id = %s",
+                (run.id,),
+            ).fetchone()[0]
+            swept = sweeper.sweep()
+            assert swept == 0 or stale, "only a claim older than sweep_max_age is swept"
+            assert time.monotonic() < deadline, "the hung claim was never swept"
+            time.sleep(0.05)
+        assert swept == 1
+        row = db.execute(
+            "SELECT r.claim_id, r.heartbeat_at, r.status, r.next_retry_at <= now(), "
+            "t.attempts, t.error, t.failed_at IS NOT NULL, t.output "
+            "FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = 1 "
+            "WHERE r.id = %s",
+            (run.id,),
+        ).fetchone()
+        claim_after, beat, status, due, attempts, error, failed, output = row
+        assert (claim_after, beat, status, due) == (None, None, "running", True)
+        assert attempts == 1, "the abandoned attempt counts"
+        assert failed and "abandoned" in error
+        assert output is None
+        assert sweeper.sweep() == 0, "sweeping again changes nothing"
+        assert claim is not None
+
+        other = make_manager(reg, config)
+        assert other.run(run.id).wait(timeout=30) is Status.SUCCEEDED
+        assert [r.attempt for r in handler.runs] == [1, 2]
+        before = snapshot(db, run.id)
+    finally:
+        release.set()
+    mgr.close(timeout=10)  # the hung execution ends; its late write is fenced out
+    assert snapshot(db, run.id) == before
+    assert db.execute(
+        "SELECT seq, attempts, output FROM workflow_tasks WHERE run_id = %s ORDER BY seq",
+        (run.id,),
+    ).fetchall() == [(1, 1, {"value": "attempt 2"}), (2, 0, {"value": "b saw attempt 2"})]
+
+
+def test_runnable_sweeps_a_hung_handler_and_its_poller_finishes_the_run(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    release = threading.Event()
+    try:
+        mgr, handler, _, run, _ = hung_run(make_manager, db, release)
+        runnable = mgr.new_runnable(workflow.RunnerConfig(sweep_interval=0.1, poll_interval=0.1))
+        runnable.start()
+        try:
+            poll(
+                db,
+                "SELECT status FROM workflow_runs WHERE id = %s",
+                (run.id,),
+                until=lambda r: r[0] == "succeeded",
+                timeout=30,
+            )
+        finally:
+            release.set()
+            runnable.stop(timeout=10)
+    finally:
+        release.set()
+    assert [r.attempt for r in handler.runs] == [1, 2]
+    assert db.execute(
+        "SELECT attempts, output FROM workflow_tasks WHERE run_id = %s AND seq = 1", (run.id,)
+    ).fetchone() == (1, {"value": "attempt 2"})
+
+
+def test_wait_on_the_hung_runs_manager_sees_it_finished_elsewhere(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """SPEC 4: a run finished elsewhere is seen by wait() within about a second.
+
+    The run's first execution is still hung in this manager (its handler ignores
+    `cancelled`); it was swept and another manager finished the run.
+    """
+    release = threading.Event()
+    try:
+        mgr, _, reg, run, config = hung_run(make_manager, db, release)
+        sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+        assert sweeper is not None
+        deadline = time.monotonic() + 20
+        while sweeper.sweep() == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        other = make_manager(reg, config)
+        assert other.run(run.id).wait(timeout=30) is Status.SUCCEEDED
+        assert mgr.run(run.id).wait(timeout=5) is Status.SUCCEEDED
+    finally:
+        release.set()
+
+
+# --- the heartbeat thread's deadline wake-up -----------------------------------------
+
+
+def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
+    pool: Any, db: psycopg.Connection[Any]
+) -> None:
+    """An attempt that begins while the heartbeat thread is inside its beat query.
+
+    White-box: `Heartbeat` is driven directly, its `_beat` instrumented to hold the
+    thread inside the beat (where a real one spends a database round trip) while
+    an attempt begins. The attempt's `cancelled` must be set by a wake-up of its
+    own at its deadline, not left for the next beat (an interval later: up to 15 s
+    with the default settings).
+    """
+    from workflow.heartbeat import DEADLINE, Heartbeat, Lease
+    from workflow.store import Store
+
+    events: list[str] = []
+    in_beat = threading.Event()
+    go_on = threading.Event()
+
+    class Instrumented(Heartbeat):
+        beats = 0
+        scanning = True
+
+        def leases(self) -> list[Lease]:
+            if self.scanning and threading.current_thread() is self._thread:
+                events.append("scan")
+            return super().leases()
+
+        def _beat(self, now: float) -> None:
+            self.scanning = False
+            try:
+                super()._beat(now)
+            finally:
+                self.scanning = True
+            self.beats += 1
+            events.append("beat")
+            if self.beats == 1:
+                in_beat.set()
+                assert go_on.wait(10)
+
+    class Recorded(Lease):
+        def cancel(self, reason: str) -> None:
+            events.append(f"cancel:{reason}")
+            super().cancel(reason)
+
+    run_id, claim_id = uuid.uuid4(), uuid.uuid4()
+    db.execute(
+        "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq, "
+        "claim_id, heartbeat_at) VALUES (%s, 'W', 'running', '{}'::jsonb, 1, 1, %s, now())",
+        (run_id, claim_id),
+    )
+    lease = Recorded(run_id, claim_id)
+    heartbeat = Instrumented(Store(pool), 0.5, logging.getLogger("test.heartbeat.race"))
+    heartbeat.add(lease)
+    heartbeat.start()
+    try:
+        assert in_beat.wait(10)
+        # The executor begins an attempt while the thread is inside its first beat.
+        deadline = time.monotonic() + 0.1
+        cancelled = lease.begin_attempt(deadline)
+        heartbeat.watch_deadline(deadline)
+        go_on.set()
+        assert cancelled.wait(10)
+        poll(db, "SELECT 1", until=lambda _: heartbeat.beats >= 2)
+    finally:
+        go_on.set()
+        heartbeat.stop(5)
+    assert lease.reason == DEADLINE
+    at = events.index(f"cancel:{DEADLINE}")
+    assert events[at + 1] == "scan", (
+        f"the deadline was only noticed on the next beat's wake-up, an interval late: {events}"
+    )

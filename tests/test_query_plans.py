@@ -1,0 +1,176 @@
+"""The poller's and the sweeper's queries stay index scans as history grows.
+
+A table full of finished runs (plus a handful of claimable and claimed ones) is
+analysed, then the store's own statements are EXPLAINed with real parameters. The
+claim query must go through the partial index `workflow_runs_claimable`, the sweep
+through `workflow_runs_claimed`, and neither (nor the claim by id) may scan
+`workflow_runs` or `workflow_tasks` sequentially: their cost must not grow with the
+number of finished runs. A later change to the queries or the indexes that loses
+this fails here instead of slowing production down.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from conftest import create_database, drop_database, with_dbname
+
+from workflow.store import _Q
+
+FINISHED_RUNS = 20_000
+TASKS_PER_RUN = 3
+
+
+@pytest.fixture(scope="module")
+def plan_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
+    """A migrated database with a long history of finished runs, analysed."""
+    name = create_database(pg_url, template_db)
+    try:
+        with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
+            _fill(conn)
+            yield conn
+    finally:
+        drop_database(pg_url, name)
+
+
+def _fill(conn: psycopg.Connection[Any]) -> None:
+    with conn.transaction():
+        # History: finished runs of several workflows, every task done.
+        conn.execute(
+            """
+            INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                       next_retry_at, created_at, finished_at)
+            SELECT gen_random_uuid(),
+                   (ARRAY['Transfer.Send', 'Invoice.Send', 'Other.Thing'])[1 + i %% 3],
+                   (ARRAY['succeeded', 'succeeded', 'parked', 'cancelled'])[1 + i %% 4],
+                   jsonb_build_object('n', i),
+                   %(tasks)s, %(tasks)s + 1,
+                   now() - interval '30 days' + i * interval '1 second',
+                   now() - interval '30 days' + i * interval '1 second',
+                   now() - interval '30 days' + i * interval '1 second' + interval '5 seconds'
+            FROM generate_series(1, %(n)s) AS i
+            """,
+            {"n": FINISHED_RUNS, "tasks": TASKS_PER_RUN},
+        )
+        # Live runs: never claimed, released and due, waiting for a retry, claimed
+        # (fresh and stale heartbeats).
+        conn.execute(
+            """
+            INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                       claim_id, heartbeat_at, next_retry_at, created_at)
+            SELECT gen_random_uuid(), 'Transfer.Send', s.status, '{}'::jsonb, %(tasks)s, 1,
+                   CASE WHEN s.claimed THEN gen_random_uuid() END,
+                   CASE WHEN s.claimed THEN now() - s.age END,
+                   now() + s.retry_in,
+                   now() - interval '1 hour' + i * interval '1 second'
+            FROM generate_series(1, 5) AS i,
+                 (VALUES ('pending', false, interval '0', interval '0'),
+                         ('running', false, interval '0', interval '-1 minute'),
+                         ('running', false, interval '0', interval '1 hour'),
+                         ('running', true, interval '1 second', interval '0'),
+                         ('running', true, interval '10 minutes', interval '0'))
+                     AS s (status, claimed, age, retry_in)
+            """,
+            {"tasks": TASKS_PER_RUN},
+        )
+        conn.execute(
+            """
+            INSERT INTO workflow_tasks (run_id, seq, name, attempts, output, finished_at)
+            SELECT r.id, s.seq, 'task.' || s.seq, 1,
+                   CASE WHEN r.finished_at IS NOT NULL THEN '{"ok": true}'::jsonb END,
+                   r.finished_at
+            FROM workflow_runs r, generate_series(1, %(tasks)s) AS s (seq)
+            """,
+            {"tasks": TASKS_PER_RUN},
+        )
+    conn.execute("ANALYZE workflow_runs")
+    conn.execute("ANALYZE workflow_tasks")
+
+
+def _claimable_id(conn: psycopg.Connection[Any]) -> uuid.UUID:
+    row = conn.execute(
+        "SELECT id FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL LIMIT 1"
+    ).fetchone()
+    assert row is not None
+    result: uuid.UUID = row[0]
+    return result
+
+
+def _plan(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The JSON plan of the store's statement `name` with `params` bound as literals."""
+    sql = psycopg.ClientCursor(conn).mogrify(_Q[name], params)
+    row = conn.execute("EXPLAIN (FORMAT JSON) " + sql).fetchone()
+    assert row is not None
+    plan: dict[str, Any] = row[0][0]["Plan"]
+    return plan
+
+
+def _nodes(plan: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    yield plan
+    for child in plan.get("Plans", ()):
+        yield from _nodes(child)
+
+
+def _scans(plan: dict[str, Any]) -> list[tuple[str, str | None, str | None]]:
+    """(node type, relation, index) of every node of the plan that reads a table or index."""
+    return [
+        (node["Node Type"], node.get("Relation Name"), node.get("Index Name"))
+        for node in _nodes(plan)
+        if "Relation Name" in node or "Index Name" in node
+    ]
+
+
+def _assert_no_seq_scan(scans: list[tuple[str, str | None, str | None]]) -> None:
+    for table in ("workflow_runs", "workflow_tasks"):
+        assert ("Seq Scan", table, None) not in scans, f"sequential scan of {table}: {scans}"
+
+
+def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> bool:
+    return any(found == index for _, _, found in scans)
+
+
+def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
+    row = plan_db.execute(
+        "SELECT count(*) FILTER (WHERE finished_at IS NOT NULL),"
+        " count(*) FILTER (WHERE claim_id IS NULL AND finished_at IS NULL),"
+        " count(*) FILTER (WHERE claim_id IS NOT NULL)"
+        " FROM workflow_runs"
+    ).fetchone()
+    assert row == (FINISHED_RUNS, 15, 10)
+
+
+def test_claim_runs_uses_the_claimable_index(plan_db: psycopg.Connection[Any]) -> None:
+    plan = _plan(plan_db, "claim_runs", {"workflows": ["Transfer.Send"], "limit": 10})
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_claim_runs_of_several_workflows_uses_the_claimable_index(
+    plan_db: psycopg.Connection[Any],
+) -> None:
+    plan = _plan(
+        plan_db, "claim_runs", {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100}
+    )
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_claim_run_by_id_is_an_index_lookup(plan_db: psycopg.Connection[Any]) -> None:
+    run_id = _claimable_id(plan_db)
+    plan = _plan(plan_db, "claim_run", {"id": run_id, "claim_id": uuid.uuid4()})
+    scans = _scans(plan)
+    assert any(table == "workflow_runs" and index for _, table, index in scans), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_sweep_uses_the_claimed_index(plan_db: psycopg.Connection[Any]) -> None:
+    plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100})
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    _assert_no_seq_scan(scans)
