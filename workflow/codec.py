@@ -72,26 +72,30 @@ def encode(value: Any, tp: Any) -> str:
     return encode_document(value, tp)[0]
 
 
-def encode_document(value: Any, tp: Any) -> tuple[str, Any]:
-    """`encode`, also returning the unstructured (JSON-shaped) document."""
+def encode_document(value: Any, tp: Any) -> tuple[str, Any, Any]:
+    """`encode`, also returning the parsed document and the value decoded from it.
+
+    Decoding the text back is the check that it reads as `tp`; the decoded value
+    shares nothing with `value`, so later changes to `value` cannot leak into it.
+    """
     if isinstance(tp, type) and _is_record(tp) and not isinstance(value, tp):
         raise EncodeError(
             f"cannot encode {type(value).__name__} as {_name(tp)}: expected an instance of "
             f"{_name(tp)}"
         )
     try:
-        plain = _converter.unstructure(value, unstructure_as=tp)
-        text = _dumps(plain)
+        text = _dumps(_converter.unstructure(value, unstructure_as=tp))
     except Exception as e:
         where = _find_unencodable(value, _name(tp))
         raise EncodeError(f"cannot encode {_name(tp)}: {where}: {e}") from e
+    document = json.loads(text)
     try:
-        _converter.structure(plain, tp)
+        decoded = _converter.structure(document, tp)
     except Exception as e:
         raise EncodeError(
             f"cannot encode {_name(tp)}: the value would not decode back: {_explain(e)}"
         ) from e
-    return text, plain
+    return text, document, decoded
 
 
 def decode(document: Any, tp: Any) -> Any:

@@ -201,7 +201,7 @@ class _Execution:
         plain: Any = None
         if error is None and task.records:
             try:
-                document, plain = codec.encode_document(result, task.output_type)
+                document, plain, _ = codec.encode_document(result, task.output_type)
             except EncodeError as e:
                 error = e
         if error is None:

@@ -218,7 +218,9 @@ class Manager:
                 )
             in_transaction(conn)
         run_id = uuid.uuid4()
-        input_text, _ = codec.encode_document(input, wf.input_type)
+        # Fast-path handlers get `stored_input`, decoded from what is stored: never
+        # the caller's object, which the caller may go on changing.
+        input_text, _, stored_input = codec.encode_document(input, wf.input_type)
         cipher = self._config.cipher
         input_plain, input_sealed = seal_document(input_text, run_id, cipher)
         context_plain = context_sealed = None
@@ -294,7 +296,7 @@ class Manager:
                 db_now=None,
                 tasks=tasks,
             )
-            self._launch(Job(run=claimed, input=input))
+            self._launch(Job(run=claimed, input=stored_input))
         return Run(self, str(run_id))
 
     # Fast-path executions.
@@ -412,10 +414,13 @@ class Manager:
                 continue
             if local is not None and local.status is not None:
                 return local.status
-            status = self._status(run_id).status
+            row = self._status_row(run_id)
+            status = Status(row.status)
             if status.terminal:
                 return status
-            if self._kick(key):
+            # Never claim a run of a workflow this manager cannot execute: several
+            # services may share the tables.
+            if self._registry.definition(row.workflow) is not None and self._kick(key):
                 continue
             remaining = left()
             if remaining is not None and remaining <= 0:

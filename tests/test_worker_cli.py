@@ -1,0 +1,276 @@
+"""`python -m workflow.worker`: usage errors, start-up failures and a clean stop (SPEC 6, 11).
+
+Every start-up failure is exactly one line on stderr, no traceback: exit 2 for a
+usage error, 1 for a bad `--app`, an unreachable database or an outdated schema.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from worker_apps.harness import ROOT, WorkerProcess
+
+from workflow.store import SCHEMA_VERSION
+
+APP = "tests.worker_apps.three_tasks:registry"
+UNREACHABLE = "postgresql://postgres@127.0.0.1:1/postgres"
+
+
+def run_worker(*args: str, env_url: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m workflow.worker ARGS` to completion, `$WORKFLOW_DATABASE_URL` = `env_url`."""
+    env = {k: v for k, v in os.environ.items() if k != "WORKFLOW_DATABASE_URL"}
+    if env_url is not None:
+        env["WORKFLOW_DATABASE_URL"] = env_url
+    return subprocess.run(
+        [sys.executable, "-m", "workflow.worker", *args],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def one_line(proc: subprocess.CompletedProcess[str], code: int) -> str:
+    """The single stderr line of a worker that exited with `code`."""
+    assert proc.returncode == code, (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert proc.stdout == ""
+    return lines[0]
+
+
+# --- Usage errors: exit 2 ------------------------------------------------------------
+
+
+def test_without_app_exits_2() -> None:
+    line = one_line(run_worker("--database-url", UNREACHABLE), 2)
+    assert "--app" in line
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "tests.worker_apps.three_tasks",
+        "registry",
+        ":registry",
+        "tests.worker_apps.three_tasks:",
+        "a b:c",
+        "a:b:c",
+    ],
+)
+def test_a_malformed_app_exits_2(spec: str) -> None:
+    line = one_line(run_worker("--app", spec, "--database-url", UNREACHABLE), 2)
+    assert "PACKAGE.MODULE:FACTORY" in line
+
+
+def test_without_a_database_url_exits_2() -> None:
+    line = one_line(run_worker("--app", APP), 2)
+    assert "WORKFLOW_DATABASE_URL" in line
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--concurrency", "0"],
+        ["--batch-size", "many"],
+        ["--poll-interval", "-1"],
+        ["--sweep-interval", "0"],
+        ["--unknown-flag"],
+    ],
+)
+def test_bad_options_exit_2(args: list[str]) -> None:
+    one_line(run_worker("--app", APP, "--database-url", UNREACHABLE, *args), 2)
+
+
+def test_a_bogus_log_level_exits_2() -> None:
+    line = one_line(
+        run_worker("--app", APP, "--database-url", UNREACHABLE, "--log-level", "chatty"), 2
+    )
+    assert "chatty" in line
+
+
+# --- A bad --app: exit 1 -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("tests.worker_apps.no_such_module:registry", "no module named"),
+        ("no_such_package.apps:registry", "no module named 'no_such_package'"),
+        ("tests.worker_apps.three_tasks:no_such_factory", "has no attribute 'no_such_factory'"),
+        ("tests.worker_apps.bad:not_a_registry", "returned 42 (type int), not a workflow.Registry"),
+        ("tests.worker_apps.bad:explodes", "RuntimeError: the factory could not read"),
+        (
+            "tests.worker_apps.broken_import:registry",
+            "importing 'tests.worker_apps.broken_import' failed: ModuleNotFoundError: "
+            "No module named 'a_dependency_that_is_not_installed'",
+        ),
+        ("tests.worker_apps.bad:NOT_CALLABLE", "not a workflow.Registry"),
+        ("tests.worker_apps.bad:app_with_a_bad_registry", "not a workflow.Registry"),
+    ],
+)
+def test_a_bad_app_is_one_line_and_exit_1(db_url: str, spec: str, expected: str) -> None:
+    line = one_line(run_worker("--app", spec, "--database-url", db_url), 1)
+    assert expected in line
+    assert line.startswith("workflow: --app ")
+
+
+# --- The database: exit 1 ------------------------------------------------------------
+
+
+def test_an_unreachable_database_is_one_line_and_exit_1() -> None:
+    started = time.monotonic()
+    line = one_line(run_worker("--app", APP, "--database-url", UNREACHABLE), 1)
+    assert line.startswith("workflow: cannot connect to the database:")
+    assert time.monotonic() - started < 20
+
+
+def test_the_url_defaults_to_the_environment() -> None:
+    line = one_line(run_worker("--app", APP, env_url=UNREACHABLE), 1)
+    assert line.startswith("workflow: cannot connect to the database:")
+
+
+def test_an_outdated_schema_is_one_line_naming_both_versions(empty_db_url: str) -> None:
+    line = one_line(run_worker("--app", APP, "--database-url", empty_db_url), 1)
+    assert f"at version 0, this code needs {SCHEMA_VERSION}" in line
+    assert "python -m workflow migrate" in line
+
+
+# --- Running and stopping ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", ["debug", "DEBUG", "Warning"])
+def test_log_level_takes_standard_names_in_any_case(db_url: str, level: str) -> None:
+    worker = WorkerProcess(APP, db_url, "--log-level", level)
+    try:
+        if level.lower() == "debug":
+            worker.wait_started()
+        else:
+            # Above INFO the start-up line is not shown: wait for the LISTEN instead.
+            _wait_for_listener(db_url)
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0, worker.stderr
+        assert "Traceback" not in worker.stderr
+        if level.lower() != "debug":
+            assert "worker started" not in worker.stderr
+    finally:
+        worker.kill()
+
+
+def _wait_for_listener(db_url: str, timeout: float = 30.0) -> None:
+    import psycopg
+
+    deadline = time.monotonic() + timeout
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        while time.monotonic() < deadline:
+            row = conn.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND query = 'LISTEN workflow_runs'"
+            ).fetchone()
+            if row and row[0]:
+                return
+            time.sleep(0.05)
+    raise AssertionError("the worker never LISTENed")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_an_idle_worker_with_exit_0(db_url: str, signum: int) -> None:
+    worker = WorkerProcess(APP, db_url, "--poll-interval", "30")
+    try:
+        started = worker.wait_for_line("workflow: worker started")
+        assert "concurrency=4" in started and "listen=on" in started
+        assert " INFO " in started
+        sent = time.monotonic()
+        worker.signal(signum)
+        assert worker.wait(timeout=15) == 0, worker.stderr
+        assert time.monotonic() - sent < 5
+        assert "worker draining" in worker.stderr
+        assert worker.stderr.splitlines()[-1].endswith("workflow: worker stopped")
+        assert "Traceback" not in worker.stderr
+    finally:
+        worker.kill()
+
+
+def test_the_start_up_line_shows_the_options(db_url: str) -> None:
+    worker = WorkerProcess(
+        APP,
+        db_url,
+        "--concurrency",
+        "7",
+        "--batch-size",
+        "3",
+        "--poll-interval",
+        "2.5",
+        "--no-sweep",
+        "--no-listen",
+    )
+    try:
+        started = worker.wait_for_line("workflow: worker started")
+        for part in (
+            "concurrency=7",
+            "batch_size=3",
+            "poll_interval=2.5s",
+            "sweep=off",
+            "listen=off",
+            "Ledger.Three",
+            f"pid={worker.pid}",
+        ):
+            assert part in started
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0, worker.stderr
+    finally:
+        worker.kill()
+
+
+@pytest.mark.parametrize(
+    "spec", ["tests.worker_apps.objects:REGISTRY", "tests.worker_apps.objects:APP"]
+)
+def test_app_may_name_a_registry_or_an_app_object(db_url: str, spec: str) -> None:
+    worker = WorkerProcess(spec, db_url)
+    try:
+        assert "workflows=Ledger.Three" in worker.wait_for_line("workflow: worker started")
+        worker.signal(signal.SIGTERM)
+        assert worker.wait() == 0, worker.stderr
+    finally:
+        worker.kill()
+
+
+def test_a_config_the_manager_refuses_is_one_line_and_exit_1(db_url: str) -> None:
+    line = one_line(
+        run_worker(
+            "--app", "tests.worker_apps.bad:inconsistent_timeouts", "--database-url", db_url
+        ),
+        1,
+    )
+    assert line.startswith("workflow: cannot start the worker: ")
+    assert "sweep_max_age" in line
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P arrived in 3.11")
+def test_the_current_directory_is_importable_even_when_python_leaves_it_off_the_path() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "workflow.worker",
+            "--app",
+            "tests.worker_apps.bad:not_a_registry",
+            "--database-url",
+            UNREACHABLE,
+        ],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "returned 42" in one_line(proc, 1)
