@@ -490,16 +490,21 @@ class Manager:
     def close(self, timeout: Duration | None = None) -> None:
         """Drain and release: blocks until in-flight executions end (or `timeout`).
 
-        No new fast-path launches; in-flight handlers see `cancelled`; a success
-        is recorded, a failure caused by the shutdown is not counted, claims are
-        released for immediate re-claim. Then the heartbeat stops and an owned
-        pool is closed. `start` still inserts afterwards; the rows wait for a
+        Stops this manager's runnables first. No new fast-path launches;
+        in-flight handlers see `cancelled`; a success is recorded, a failure
+        caused by the shutdown is not counted, claims are released for immediate
+        re-claim. Then the heartbeat stops and an owned pool is closed. With a
+        borrowed pool `start` still inserts afterwards; the rows wait for a
         poller. Idempotent.
         """
         if self._closed:
             return
         limit = None if timeout is None else seconds(timeout, "timeout")
-        if not self._drain(limit):
+        deadline = None if limit is None else time.monotonic() + limit
+        for runnable in list(self._runnables):
+            runnable.stop(limit)
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._drain(left):
             self._logger.warning(
                 "workflow: close() timed out with executions in flight; their claims will be "
                 "swept after sweep_max_age"
