@@ -3,6 +3,9 @@
     python -m workflow migrate [--database-url URL]   apply the schema chain
     python -m workflow check   [--database-url URL]   compare the database's schema
                                                       version with this code's
+    python -m workflow demo    [--database-url URL]   run a Transfer workflow end to end,
+                                                      narrated (embedded PostgreSQL
+                                                      when no URL is set)
 
 The URL defaults to `$WORKFLOW_DATABASE_URL`. Exit codes: 0 success, 1 failure
 (unreachable database, schema behind, a failed migration), 2 usage error. Every
@@ -116,6 +119,13 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Run the narrated demo (workflow/demo.py); without a URL, on an embedded server."""
+    from workflow.demo import run_demo
+
+    return run_demo(args.database_url)
+
+
 def _parser() -> _Parser:
     parser = _Parser(
         prog=PROG,
@@ -148,6 +158,19 @@ def _parser() -> _Parser:
         ),
     )
     check_cmd.set_defaults(func=_cmd_check)
+
+    demo_cmd = commands.add_parser(
+        "demo",
+        parents=[database],
+        help="run a small Transfer workflow end to end and print each step",
+        description=(
+            "Run four Transfer runs (a success, a retry, a parked failure, a run resumed by "
+            "a worker) and print each step as it happens. Uses a scratch database on the "
+            "given server when allowed; without a URL, a private embedded PostgreSQL "
+            "(pip install 'pgworkflow[embedded]')."
+        ),
+    )
+    demo_cmd.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 import psycopg
-from psycopg import pq
+from psycopg import pq, sql
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
@@ -327,6 +327,21 @@ class Store:
         conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
         conn.execute(_Q["listen"])
         return conn
+
+
+def create_database(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Create database `name` (autocommit `conn`); False when the role may not."""
+    try:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    except psycopg.errors.InsufficientPrivilege:
+        return False
+    return True
+
+
+def drop_database(conn: psycopg.Connection[Any], name: str) -> None:
+    """Drop database `name` if it exists, ending its sessions (autocommit `conn`)."""
+    force = " WITH (FORCE)" if conn.info.server_version >= 130000 else ""
+    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}" + force).format(sql.Identifier(name)))
 
 
 def in_transaction(conn: psycopg.Connection[Any]) -> None:

@@ -1,0 +1,1 @@
+"""Runnable examples of pgworkflow in web applications (not part of the package)."""

@@ -1,0 +1,1 @@
+"""The Transfer workflow in a Django project (run it with manage.py from this directory)."""

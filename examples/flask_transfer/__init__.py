@@ -1,0 +1,1 @@
+"""The Transfer workflow in a Flask app served by Gunicorn."""

@@ -1,0 +1,169 @@
+"""One pool and one `Manager` per process, built on first use: what the integrations share.
+
+A pre-forking server (Gunicorn, uWSGI) imports the application in a parent
+process and serves it from forked children, and a manager must not cross a
+`fork()`. `ProcessManager` builds nothing until it is first used, and builds
+afresh when the process id differs from the one it built in. What the parent
+built is left alone in the child: closing it there would stop threads that do
+not exist and close sockets the parent still uses.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from workflow.config import App, Config, Settings
+from workflow.durations import Duration
+from workflow.errors import WorkflowError
+from workflow.manager import Manager
+
+OPEN_TIMEOUT = 10.0
+"""Seconds to wait for the pool's first connection before giving up."""
+
+
+@attrs.frozen
+class _Built:
+    pid: int
+    pool: ConnectionPool[Any]
+    manager: Manager
+
+
+_instances: weakref.WeakSet[ProcessManager] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A lock held by another thread of the parent at fork time stays held forever
+    # in the child: every instance gets a fresh one.
+    for instance in list(_instances):
+        instance._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _close_at_exit(ref: weakref.ref[ProcessManager]) -> None:
+    instance = ref()
+    if instance is not None:
+        instance.close()
+
+
+def pool_size(config: Config | None) -> int:
+    """A pool size for a manager's fast path, like the one `Manager(url, ...)` builds."""
+    local_runs = Settings.of(config if config is not None else Config()).max_local_runs
+    return max(4, min(local_runs, 16))
+
+
+class ProcessManager:
+    """Builds a pool and a `Manager` on first use in each process; closes them at exit.
+
+    `conninfo` and `app` are called at build time (in the process that will use
+    the result), so settings read by them may change until the first request.
+    `pool_options` are keyword arguments for `psycopg_pool.ConnectionPool`,
+    overriding the defaults (`min_size=1`, a `max_size` sized for the fast path,
+    `kwargs={"autocommit": True}`).
+    """
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        conninfo: Callable[[], str],
+        app: Callable[[], App],
+        pool_options: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
+        self._name = name
+        self._conninfo = conninfo
+        self._app = app
+        self._pool_options = pool_options
+        self._lock = threading.Lock()
+        self._built: _Built | None = None
+        # Objects inherited from a parent process, kept referenced so that nothing
+        # finalizes them in this one.
+        self._inherited: list[_Built] = []
+        _instances.add(self)
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _current(self) -> _Built:
+        pid = os.getpid()
+        built = self._built
+        if built is not None and built.pid == pid:
+            return built
+        with self._lock:
+            built = self._built
+            if built is not None and built.pid == pid:
+                return built
+            if built is not None:
+                self._inherited.append(built)
+                self._built = None
+            self._built = self._build(pid)
+            return self._built
+
+    def _build(self, pid: int) -> _Built:
+        app = self._app()
+        options: dict[str, Any] = {
+            "min_size": 1,
+            "max_size": pool_size(app.config),
+            "kwargs": {"autocommit": True},
+            "name": self._name,
+        }
+        if self._pool_options is not None:
+            options.update(self._pool_options())
+        options["open"] = False
+        pool: ConnectionPool[Any] = ConnectionPool(self._conninfo(), **options)
+        try:
+            try:
+                pool.open(wait=True, timeout=OPEN_TIMEOUT)
+            except PoolTimeout as exc:
+                raise WorkflowError(
+                    f"workflow: {self._name}: no connection to the database within "
+                    f"{OPEN_TIMEOUT:g}s ({exc}); check the database settings and that the "
+                    "server is up"
+                ) from exc
+            manager = Manager(pool, app.registry, app.config, logger=app.logger)
+        except BaseException:
+            pool.close()
+            raise
+        return _Built(pid=pid, pool=pool, manager=manager)
+
+    @property
+    def built(self) -> bool:
+        """True when this process has built its pool and manager (and not closed them)."""
+        built = self._built
+        return built is not None and built.pid == os.getpid()
+
+    def manager(self) -> Manager:
+        """This process's manager, built (with its pool) on first use.
+
+        The first call blocks until the pool holds a connection and the schema
+        version is read; it raises `WorkflowError` when the database cannot be
+        reached within `OPEN_TIMEOUT` seconds and `workflow.SchemaOutdated` when it
+        is behind. A failed build is retried by the next call.
+        """
+        return self._current().manager
+
+    def pool(self) -> ConnectionPool[Any]:
+        """This process's connection pool (autocommit connections), built on first use."""
+        return self._current().pool
+
+    def close(self, timeout: Duration | None = None) -> None:
+        """Close this process's manager (draining it, up to `timeout`), then its pool.
+
+        Does nothing when this process built nothing; the next use builds afresh.
+        """
+        with self._lock:
+            built = self._built
+            if built is None or built.pid != os.getpid():
+                return
+            self._built = None
+        try:
+            built.manager.close(timeout)
+        finally:
+            built.pool.close()

@@ -1,0 +1,55 @@
+"""`manage.py workflow_worker`: `python -m workflow.worker` with the project's settings."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from workflow import worker
+from workflow.contrib.django import conf
+
+DEFAULT_APP = ("workflow.contrib.django", "workflow_app")
+
+
+class Command(BaseCommand):
+    help = (
+        "Run one pgworkflow worker: claim runs left in the tables, execute them, sweep "
+        "stale claims. Takes the options of `python -m workflow.worker`; --app defaults to "
+        "settings.WORKFLOW, --database-url to the database of WORKFLOW['DATABASE_ALIAS']. "
+        "SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        # The worker's own options, validators and help, so the two never drift apart.
+        self._dests: list[str] = []
+        for action in worker._parser()._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            if action.dest == "app":
+                action.required = False
+                action.help = (
+                    f"{action.help} (default: settings.WORKFLOW['REGISTRY'] and ['CONFIG'])"
+                )
+            if action.dest == "database_url":
+                action.help = "a postgresql:// URL (default: WORKFLOW['DATABASE_ALIAS']'s settings)"
+            parser._add_action(action)
+            self._dests.append(action.dest)
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            raise CommandError("workflow_worker must run in the main thread (it handles signals)")
+        namespace = argparse.Namespace(**{dest: options.get(dest) for dest in self._dests})
+        if namespace.app is None:
+            namespace.app = DEFAULT_APP
+        if not namespace.database_url:
+            namespace.database_url = conf.connection_settings(conf.database_alias())[0]
+        with worker._signals() as signals:
+            try:
+                worker._serve(namespace, signals)
+            except worker._UsageError as exc:
+                raise CommandError(worker._one_line(exc), returncode=2) from None
+            except worker._Failure as exc:
+                raise CommandError(worker._one_line(exc), returncode=1) from None
