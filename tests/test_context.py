@@ -35,6 +35,7 @@ from context_apps import (
     second,
     seen,
 )
+from pgbouncer import engine_pool_kwargs, worker_args
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -179,15 +180,13 @@ class RecordingPool(ConnectionPool):  # type: ignore[type-arg]
         self._borrows_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def connection(self, timeout: float | None = None) -> Iterator[Any]:
+    def getconn(self, timeout: float | None = None) -> Any:
         with self._borrows_lock:
             self.borrows.append((threading.current_thread().name, CALLER.get()))
-        with super().connection(timeout) as conn:
-            yield conn
+        return super().getconn(timeout)
 
 
-def test_restore_is_entered_only_around_handler_calls(db_url: str) -> None:
+def test_restore_is_entered_only_around_handler_calls(db_url: str, engine_url: str) -> None:
     """Every engine write (a pool borrow off the caller's thread) runs with CALLER unset.
 
     The first task fails once (an in-process retry), so each run makes three handler
@@ -211,7 +210,7 @@ def test_restore_is_entered_only_around_handler_calls(db_url: str) -> None:
             calls.append((run.run_id, CALLER.get()))
         return seen(run)
 
-    pool = RecordingPool(db_url, min_size=1, max_size=8, open=True)
+    pool = RecordingPool(engine_url, min_size=1, max_size=8, open=True, **engine_pool_kwargs())
     try:
         mgr = workflow.Manager(
             pool,
@@ -297,7 +296,7 @@ def test_start_tx_run_resumed_by_another_process_sees_the_context(
 
 @pytest.mark.slow
 def test_worker_cli_resumes_a_start_tx_run_with_its_context(
-    make_manager: Any, db_url: str, db: psycopg.Connection[Any]
+    make_manager: Any, db_url: str, engine_url: str, db: psycopg.Connection[Any]
 ) -> None:
     if importlib.util.find_spec("workflow.worker") is None:
         pytest.skip("workflow.worker (the worker CLI) is not written yet")
@@ -309,8 +308,8 @@ def test_worker_cli_resumes_a_start_tx_run_with_its_context(
         [
             sys.executable, "-m", "workflow.worker",
             "--app", "context_apps:app",
-            "--database-url", db_url,
-            "--poll-interval", "0.2",
+            "--database-url", engine_url,
+            *worker_args("--poll-interval", "0.2"),
         ],
         env=subprocess_env(db_url, [KEY]),
         stdout=subprocess.PIPE,

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # One line per step the demo promises, in the order it prints them.
 STORY = [
-    r"schema: applied 0001_runs_and_tasks, now at version \d+",
+    r"schema: applied 0001_runs_and_tasks(, \d{4}_\w+)*, now at version \d+",
     r"run \w{8}: transfer\.reserve attempt 1 → Reserved\(id='hold-\w+'\)",
     r"run \w{8}: transfer\.send attempt 1 → sent 12\.50 against hold-\w+",
     r"run \w{8}: run\.wait\(\) → SUCCEEDED",

@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from pgbouncer import runner_config
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -192,7 +193,7 @@ def test_start_with_the_pool_full_is_picked_up_by_a_poller(
     late = WF.start(mgr, "late")
     assert status_of(db, late.id) == "pending"
     runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=0.2, concurrency=2, sweep_enabled=False)
+        runner_config(poll_interval=0.2, concurrency=2, sweep_enabled=False)
     )
     runnable.start()
     try:
@@ -220,6 +221,7 @@ def committed_transactions(admin: psycopg.Connection[Any], dbname: str) -> int:
     return int(row[0])
 
 
+@pytest.mark.direct(reason="counts the transactions of one server connection")
 def test_a_three_task_fast_path_run_costs_four_transactions(
     db_url: str, pg_url: str, h: Handlers
 ) -> None:

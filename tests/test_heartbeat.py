@@ -17,6 +17,7 @@ from typing import Any
 import attrs
 import psycopg
 import pytest
+from pgbouncer import runner_config
 
 import workflow
 from workflow import Status
@@ -149,7 +150,7 @@ def test_heartbeat_advances_while_a_long_handler_runs_inside_its_deadline(
     config = workflow.Config(sweep_max_age=2, max_in_process_backoff=0)
     reg, wf = registry(workflow.handle(A, handler, timeout=1.9))
     mgr = make_manager(reg, config)
-    sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+    sweeper = mgr.new_runnable(runner_config(listen=False)).sweeper
     assert sweeper is not None
     try:
         run = wf.start(mgr, Inp(1))
@@ -298,7 +299,7 @@ def test_hung_handler_is_swept_after_sweep_max_age_with_its_attempt_counted(
     try:
         mgr, handler, reg, run, config = hung_run(make_manager, db, release)
         claim = db.execute(RUN_SQL, (run.id,)).fetchone()[0]
-        sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+        sweeper = mgr.new_runnable(runner_config(listen=False)).sweeper
         assert sweeper is not None
         deadline = time.monotonic() + 20
         swept = 0
@@ -348,7 +349,7 @@ def test_runnable_sweeps_a_hung_handler_and_its_poller_finishes_the_run(
     release = threading.Event()
     try:
         mgr, handler, _, run, _ = hung_run(make_manager, db, release)
-        runnable = mgr.new_runnable(workflow.RunnerConfig(sweep_interval=0.1, poll_interval=0.1))
+        runnable = mgr.new_runnable(runner_config(sweep_interval=0.1, poll_interval=0.1))
         runnable.start()
         try:
             poll(
@@ -380,7 +381,7 @@ def test_wait_on_the_hung_runs_manager_sees_it_finished_elsewhere(
     release = threading.Event()
     try:
         mgr, _, reg, run, config = hung_run(make_manager, db, release)
-        sweeper = mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper
+        sweeper = mgr.new_runnable(runner_config(listen=False)).sweeper
         assert sweeper is not None
         deadline = time.monotonic() + 20
         while sweeper.sweep() == 0:

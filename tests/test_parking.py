@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import psycopg
 import pytest
+from pgbouncer import runner_config
 
 import workflow
 from workflow import Status
@@ -458,7 +459,7 @@ def test_parked_run_is_not_claimed_by_a_poller(
     run = wf.start(mgr, Inp("acct-1"))
     assert run.wait(timeout=30) is Status.PARKED
     other = make_manager(reg)
-    runnable = other.new_runnable(workflow.RunnerConfig(poll_interval=0.05, sweep_interval=0.05))
+    runnable = other.new_runnable(runner_config(poll_interval=0.05, sweep_interval=0.05))
     runnable.start()
     try:
         deadline = time.monotonic() + 1.0

@@ -18,6 +18,7 @@ from typing import Any
 import attrs
 import psycopg
 import pytest
+from pgbouncer import runner_config
 
 import workflow
 from workflow import Status
@@ -160,7 +161,7 @@ def test_invariant_6_success_during_shutdown_is_persisted_then_the_claim_release
     if how == "close":
         run = wf.start(mgr, Inp(1))
     else:
-        runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+        runnable = mgr.new_runnable(runner_config(poll_interval=0.1))
         with db.transaction():
             run = wf.start_tx(db, mgr, Inp(1))
         runnable.start()
@@ -228,7 +229,7 @@ def test_failure_caused_by_shutdown_spends_no_attempt_and_releases_the_claim(
     if how == "close":
         run = wf.start(mgr, Inp(1))
     else:
-        runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+        runnable = mgr.new_runnable(runner_config(poll_interval=0.1))
         with db.transaction():
             run = wf.start_tx(db, mgr, Inp(1))
         runnable.start()
@@ -320,7 +321,7 @@ def test_start_after_close_with_a_borrowed_pool_inserts_pending_and_launches_not
     assert calls.counts["a"] == []
     # The rows wait for a poller (here: another manager's worker).
     other = make_manager(reg)
-    runnable = other.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+    runnable = other.new_runnable(runner_config(poll_interval=0.1))
     runnable.start()
     try:
         for r in (run, run_tx):
@@ -398,7 +399,7 @@ def test_close_awaits_an_execution_claimed_by_its_poller(
 
     reg, wf = registry(workflow.handle(A, a), workflow.handle(B, calls.simple("b")))
     mgr = make_manager(reg)
-    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+    runnable = mgr.new_runnable(runner_config(poll_interval=0.1))
     with db.transaction():
         run = wf.start_tx(db, mgr, Inp(1))
     runnable.start()

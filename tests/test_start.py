@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import psycopg
 import pytest
+from pgbouncer import ENGINE_KWARGS
 from psycopg import pq
 
 import workflow
@@ -143,9 +144,13 @@ def mgr(make_manager: Any, rec: Recorder) -> workflow.Manager:
 
 
 @pytest.fixture
-def writer(db_url: str) -> Any:
-    """A plain (non-autocommit) connection for the caller's own transactions."""
-    with psycopg.connect(db_url) as conn:
+def writer(engine_url: str) -> Any:
+    """A plain (non-autocommit) connection for the caller's own transactions.
+
+    Behind PgBouncer (`$WORKFLOW_TEST_PGBOUNCER`) the application's connection goes
+    through it too.
+    """
+    with psycopg.connect(engine_url, **ENGINE_KWARGS) as conn:
         yield conn
 
 
@@ -593,6 +598,7 @@ def test_start_tx_rolled_back_sends_no_notify(
     assert next_notify(listener).payload == "marker-after-rollback"
 
 
+@pytest.mark.direct(reason="a LISTEN wake-up needs a session of its own")
 def test_start_tx_run_is_picked_up_by_a_listening_poller(
     make_manager: Any, rec: Recorder, writer: psycopg.Connection[Any]
 ) -> None:

@@ -171,6 +171,7 @@ def committed_transactions(admin: psycopg.Connection[Any], dbname: str) -> int:
     return int(row[0])
 
 
+@pytest.mark.direct(reason="counts the transactions of one server connection")
 @pytest.mark.parametrize("outcome", ["ok", PARK])
 def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll(
     db_url: str, pg_url: str, h: Handlers, outcome: str

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pgbouncer
 import psycopg
 import pytest
 from worker_apps import backoff, three_tasks
@@ -38,12 +39,16 @@ def ledger(db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
 
 
 @pytest.fixture
-def spawn(db_url: str) -> Iterator[Spawn]:
-    """`spawn(app, *args)` starts a worker on the test's database; all are killed afterwards."""
+def spawn(engine_url: str) -> Iterator[Spawn]:
+    """`spawn(app, *args)` starts a worker on the test's database; all are killed afterwards.
+
+    Behind PgBouncer (`$WORKFLOW_TEST_PGBOUNCER`) the workers connect through it,
+    poll-only (`--no-listen`).
+    """
     started: list[WorkerProcess] = []
 
     def start(app: str, *args: str) -> WorkerProcess:
-        worker = WorkerProcess(app, db_url, *args)
+        worker = WorkerProcess(app, engine_url, *pgbouncer.worker_args(*args))
         started.append(worker)
         return worker
 
@@ -142,6 +147,7 @@ def db_now(db: psycopg.Connection[Any]) -> datetime.datetime:
 
 
 @pytest.mark.slow
+@pgbouncer.worker_prepares_statements
 def test_three_workers_drain_1000_start_tx_runs_each_task_exactly_once(
     ledger: psycopg.Connection[Any], spawn: Spawn, make_manager: Any, pool: Any
 ) -> None:
@@ -151,7 +157,8 @@ def test_three_workers_drain_1000_start_tx_runs_each_task_exactly_once(
     ]
     for worker in workers:
         worker.wait_started()
-    wait_listening(ledger, 3)
+    if not pgbouncer.ENABLED:  # poll-only behind PgBouncer: nothing more to wait for
+        wait_listening(ledger, 3)
 
     ids = start_runs(
         make_manager, three_tasks.registry(), three_tasks.Three, [three_tasks.Plan()] * 1000, pool
@@ -430,6 +437,7 @@ def test_a_second_signal_exits_at_once_without_draining(
 # --- (e) Wake-ups ----------------------------------------------------------------------
 
 
+@pytest.mark.direct(reason="a LISTEN wake-up needs a session of its own")
 def test_with_listen_an_idle_worker_picks_up_a_start_tx_run_long_before_its_poll_interval(
     ledger: psycopg.Connection[Any], spawn: Spawn, make_manager: Any, pool: Any
 ) -> None:

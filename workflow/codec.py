@@ -7,10 +7,13 @@ dicts, typed containers of these, `Optional`/unions cattrs can tell apart,
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import decimal
+import functools
 import json
 import math
+import typing
 import uuid
 from typing import Any
 
@@ -57,6 +60,56 @@ def _structure_none(value: Any, _: Any) -> None:
 
 
 _converter.register_structure_hook(type(None), _structure_none)
+
+
+def _json_type(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _exact(tp: type, what: str, *, numbers: bool = False) -> Any:
+    """A structure hook for the JSON scalar `tp` that never coerces.
+
+    cattrs' own hook is `tp(value)`: str(None) == "None", int(1.5) == 1,
+    bool("x") is True. Subclasses (IntEnum, str-valued enums) keep `cl(value)`.
+    """
+
+    def structure(value: Any, cl: Any) -> Any:
+        if cl is not tp:
+            return cl(value)
+        ok = (isinstance(value, (int, float)) if numbers else isinstance(value, tp)) and (
+            tp is bool or not isinstance(value, bool)
+        )
+        if not ok:
+            raise TypeError(f"expected {what}, not {_json_type(value)}")
+        return float(value) if numbers else value
+
+    return structure
+
+
+_converter.register_structure_hook(str, _exact(str, "a string"))
+_converter.register_structure_hook(int, _exact(int, "an integer"))
+_converter.register_structure_hook(float, _exact(float, "a number", numbers=True))
+_converter.register_structure_hook(bool, _exact(bool, "true or false"))
+
+
+def _unstorable(document: Any, path: str) -> str | None:
+    """Where `document` holds a string PostgreSQL's jsonb refuses (NUL), or None."""
+    if isinstance(document, str):
+        return f"{path} (a string with a NUL character)" if "\x00" in document else None
+    if isinstance(document, dict):
+        for key, item in document.items():
+            found = _unstorable(key, f"{path} key {key!r}") or _unstorable(
+                item, f"{path}[{key!r}]"
+            )
+            if found:
+                return found
+    if isinstance(document, list):
+        for i, item in enumerate(document):
+            found = _unstorable(item, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
 _dumps = json.JSONEncoder(
     ensure_ascii=False, allow_nan=False, separators=(",", ":")
 ).encode
@@ -85,10 +138,15 @@ def encode_document(value: Any, tp: Any) -> tuple[str, Any, Any]:
         )
     try:
         text = _dumps(_converter.unstructure(value, unstructure_as=tp))
+        text.encode("utf-8")  # an unpaired surrogate cannot be sent to PostgreSQL
     except Exception as e:
         where = _find_unencodable(value, _name(tp))
         raise EncodeError(f"cannot encode {_name(tp)}: {where}: {e}") from e
     document = json.loads(text)
+    if "\\u0000" in text:
+        unstorable = _unstorable(document, _name(tp))
+        if unstorable is not None:
+            raise EncodeError(f"cannot encode {_name(tp)}: PostgreSQL cannot store {unstorable}")
     try:
         decoded = _converter.structure(document, tp)
     except Exception as e:
@@ -98,9 +156,62 @@ def encode_document(value: Any, tp: Any) -> tuple[str, Any, Any]:
     return text, document, decoded
 
 
+_ARRAYS = (
+    list,
+    tuple,
+    set,
+    frozenset,
+    collections.abc.Sequence,
+    collections.abc.MutableSequence,
+    collections.abc.Set,
+    collections.abc.MutableSet,
+)
+_OBJECTS = (dict, collections.abc.Mapping, collections.abc.MutableMapping)
+
+
+@functools.lru_cache(maxsize=1024)
+def _hints(tp: type) -> dict[str, Any]:
+    return typing.get_type_hints(tp)
+
+
+def _check_shape(document: Any, tp: Any, path: str) -> None:
+    """Refuse a JSON value whose container kind does not fit `tp`.
+
+    cattrs iterates whatever it is given: a string or an object's keys would become
+    a list.
+    """
+    origin = typing.get_origin(tp) or tp
+    args = typing.get_args(tp)
+    if origin in _ARRAYS:
+        if not isinstance(document, list):
+            raise TypeError(f"{path}: expected an array, not {_json_type(document)}")
+        if origin is tuple and args and args[-1] is not Ellipsis:
+            if len(document) != len(args):
+                raise TypeError(f"{path}: expected {len(args)} items, not {len(document)}")
+            for i, (item, arg) in enumerate(zip(document, args, strict=True)):
+                _check_shape(item, arg, f"{path}[{i}]")
+        elif args:
+            for i, item in enumerate(document):
+                _check_shape(item, args[0], f"{path}[{i}]")
+    elif origin in _OBJECTS:
+        if not isinstance(document, dict):
+            raise TypeError(f"{path}: expected an object, not {_json_type(document)}")
+        if len(args) == 2:
+            for key, item in document.items():
+                _check_shape(item, args[1], f"{path}[{key!r}]")
+    elif isinstance(tp, type) and _is_record(tp):
+        if not isinstance(document, dict):
+            raise TypeError(f"{path}: expected an object, not {_json_type(document)}")
+        hints = _hints(tp)
+        for key, item in document.items():
+            if key in hints:
+                _check_shape(item, hints[key], f"{path}.{key}")
+
+
 def decode(document: Any, tp: Any) -> Any:
     """Build a `tp` from an already parsed JSON document; `DecodeError` on any mismatch."""
     try:
+        _check_shape(document, tp, "$")
         return _converter.structure(document, tp)
     except Exception as e:
         raise DecodeError(f"cannot decode {_name(tp)}: {_explain(e)}") from e

@@ -38,9 +38,11 @@ class Lease:
         with self._lock:
             if self.reason in (LOST, SHUTDOWN):
                 event = self.cancelled
-            else:
+            elif self.cancelled.is_set():
                 self.reason = None
                 event = self.cancelled = threading.Event()
+            else:
+                event = self.cancelled
             self.deadline = deadline
         return event
 

@@ -41,7 +41,9 @@ def _connections() -> ConnectionPool[Any]:
                 os.environ[URL_ENV],
                 min_size=1,
                 max_size=4,
-                kwargs={"autocommit": True},
+                # No server-side prepared statements: the tests may point this at
+                # PgBouncer in transaction mode ($WORKFLOW_TEST_PGBOUNCER).
+                kwargs={"autocommit": True, "prepare_threshold": None},
                 open=True,
                 name="ledger",
             )

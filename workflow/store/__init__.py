@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import math
 import random
 import re
 import time
@@ -161,7 +162,10 @@ class Store:
 
     @contextmanager
     def _conn(self) -> Iterator[psycopg.Connection[Any]]:
-        with self._pool.connection() as conn:
+        # getconn/putconn rather than pool.connection(): its exit sends a COMMIT
+        # call even in autocommit mode, a cost on every statement of the hot path.
+        conn = self._pool.getconn()
+        try:
             if conn.autocommit:
                 yield conn
                 return
@@ -171,6 +175,8 @@ class Store:
             finally:
                 if conn.info.transaction_status == pq.TransactionStatus.IDLE:
                     conn.autocommit = False
+        finally:
+            self._pool.putconn(conn)
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement in its own transaction, riding out connection failures.
@@ -180,14 +186,18 @@ class Store:
         `RETRY_FOR` seconds. Every statement is safe to repeat: the writes set
         absolute values under a fence, and `insert_run` recognises its own row.
         """
-        deadline = time.monotonic() + RETRY_FOR
+        deadline = math.inf
         failures = 0
         while True:
             try:
                 with self._conn() as conn:
                     return _execute(conn, name, params)
             except Exception as e:
-                if not _connection_lost(e) or time.monotonic() >= deadline:
+                if not _connection_lost(e):
+                    raise
+                if failures == 0:
+                    deadline = time.monotonic() + RETRY_FOR
+                elif time.monotonic() >= deadline:
                     raise
                 failures += 1
                 delay = random.uniform(0.0, min(2.0, 0.05 * 2**failures))

@@ -26,7 +26,7 @@ from yoyo.connections import parse_uri
 import workflow_migrations
 from workflow.errors import WorkflowError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 """The number of the newest migration in the chain this code was built with."""
 
 TABLE_PREFIX = "workflow_yoyo_"

@@ -1,0 +1,62 @@
+"""The benchmark workflows, and the `--app` factory the worker processes import.
+
+- `Bench.One`: one no-op task.
+- `Bench.Three`: three no-op tasks, strictly in order.
+- `Bench.Pickup`: one task whose first line stamps `time.time()` and records it as
+  its output, so the bench can measure commit-to-handler pickup latency.
+
+No-op tasks are declared without an output type: they record nothing, like the
+null engine's `output = NULL`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+
+import workflow
+
+
+@attrs.frozen
+class BenchInput:
+    n: int
+
+
+One = workflow.Workflow("Bench.One", BenchInput)
+Three = workflow.Workflow("Bench.Three", BenchInput)
+Pickup = workflow.Workflow("Bench.Pickup", BenchInput)
+
+a = workflow.Task("bench.a")
+b = workflow.Task("bench.b")
+c = workflow.Task("bench.c")
+stamp = workflow.Task("bench.stamp", float)
+
+
+def noop(run: workflow.TaskRun[BenchInput]) -> None:
+    return None
+
+
+def stamp_now(run: workflow.TaskRun[BenchInput]) -> float:
+    return time.time()
+
+
+def registry() -> workflow.Registry:
+    """A fresh registry with the three benchmark workflows."""
+    reg = workflow.Registry()
+    reg.register(workflow.define(One, workflow.handle(a, noop)))
+    reg.register(
+        workflow.define(
+            Three, workflow.handle(a, noop), workflow.handle(b, noop), workflow.handle(c, noop)
+        )
+    )
+    reg.register(workflow.define(Pickup, workflow.handle(stamp, stamp_now)))
+    return reg
+
+
+def factory() -> workflow.Registry:
+    """`python -m workflow.worker --app bench.apps:factory`."""
+    return registry()
+
+
+WORKFLOWS = {1: One, 3: Three}

@@ -1,0 +1,421 @@
+"""Run every benchmark in interleaved order and write bench/RESULTS.md.
+
+    python bench/run_all.py            # full run (about 15-20 minutes)
+    python bench/run_all.py --quick    # a small version (under 2 minutes once the venvs exist)
+
+Run it with the project's dev environment (the one where `pgworkflow` is
+installed); the peers get their own virtualenvs under bench/.venvs/, created
+here on first use from bench/peers/<name>/requirements.txt. The database is
+`$BENCH_DATABASE_URL` (default postgresql://postgres@127.0.0.1:5432/postgres;
+every workload uses its own scratch database on that server), Redis
+`$BENCH_REDIS_URL` (default redis://127.0.0.1:6379).
+
+Each measurement is a subprocess printing `RESULT {json}` lines. Rounds repeat
+the fast-path set (null+engine paired, then each peer) so that every system is
+measured at several moments of the machine's load; figures are medians over
+rounds, and ratios are taken within a round and then medianed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, REPO)
+
+from bench.common import (  # noqa: E402
+    REDIS_URL,
+    latency_summary,
+    machine_info,
+    pg_info,
+)
+
+PEERS = ["dbos", "procrastinate", "celery"]
+PEER_SCRIPT = {
+    "dbos": "peers/dbos/bench_dbos.py",
+    "procrastinate": "peers/procrastinate/bench_procrastinate.py",
+    "celery": "peers/celery/bench_celery.py",
+}
+LOG_DIR = os.path.join(HERE, ".logs")
+
+
+class Runner:
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.results: list[dict[str, Any]] = []
+        self.errors: list[dict[str, Any]] = []
+        os.makedirs(LOG_DIR, exist_ok=True)
+        self.log_path = os.path.join(LOG_DIR, "run_all.log")
+        self.log = open(self.log_path, "w")  # noqa: SIM115  (open for the whole run)
+
+    def say(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        self.log.write(line + "\n")
+        self.log.flush()
+
+    def run(self, label: str, cmd: list[str], extra: dict[str, Any], timeout: float = 600) -> None:
+        shown = " ".join(os.path.relpath(c, REPO) if c.startswith(REPO) else c for c in cmd[1:])
+        self.say(f"{label}: {shown}")
+        env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        try:
+            proc = subprocess.run(
+                cmd,
+                cwd=REPO,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+            )
+            out, err, rc = proc.stdout, proc.stderr, proc.returncode
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + (
+                f"\ntimed out after {timeout}s"
+            )
+            rc = -1
+        self.log.write(f"--- {label} rc={rc} {time.monotonic() - t0:.1f}s\n{out}\n{err}\n")
+        self.log.flush()
+        got = 0
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                r = json.loads(line[7:])
+                r.update(extra)
+                self.results.append(r)
+                got += 1
+        if rc != 0 or not got:
+            tail = "\n".join((err or out).strip().splitlines()[-6:])
+            self.errors.append({"label": label, "rc": rc, "error": tail, **extra})
+            self.say(f"  FAILED (rc={rc}): {tail.splitlines()[-1] if tail else '?'}")
+
+
+def ensure_venv(runner: Runner, name: str) -> str | None:
+    """The peer's python, creating its venv on first use; None (error recorded) on failure."""
+    venv = os.path.join(HERE, ".venvs", name)
+    py = os.path.join(venv, "bin", "python")
+    req = os.path.join(HERE, "peers", name, "requirements.txt")
+    stamp = os.path.join(venv, ".requirements")
+    with open(req) as f:
+        want = f.read()
+    if os.path.exists(py) and os.path.exists(stamp):
+        with open(stamp) as f:
+            if f.read() == want:
+                return py
+    runner.say(f"creating venv for {name} (bench/.venvs/{name})")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", venv], check=True, capture_output=True)
+        proc = subprocess.run(
+            [py, "-m", "pip", "install", "-q", "-r", req],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(
+                proc.stderr.strip().splitlines()[-1] if proc.stderr else "pip failed"
+            )
+        with open(stamp, "w") as f:
+            f.write(want)
+        return py
+    except Exception as e:
+        runner.errors.append({"label": f"{name} install", "error": str(e), "system": name})
+        runner.say(f"  {name}: cannot install: {e}")
+        return None
+
+
+def commit_latency() -> dict[str, Any]:
+    """Round trips of a one-row INSERT (a commit: one WAL flush) and of `SELECT 1`."""
+    import psycopg
+
+    from bench.common import scratch_db
+
+    url = scratch_db("bench_probe")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS probe (x int)")
+        conn.execute("TRUNCATE probe")
+        ts = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            conn.execute("INSERT INTO probe VALUES (1)")
+            ts.append(time.perf_counter() - t0)
+        reads = []
+        for _ in range(200):
+            t0 = time.perf_counter()
+            conn.execute("SELECT 1")
+            reads.append(time.perf_counter() - t0)
+    return {"commit": latency_summary(ts), "read": latency_summary(reads)}
+
+
+def git_state() -> dict[str, Any]:
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except Exception:
+            return ""
+
+    dirty = git("status", "--porcelain", "--", "workflow", "workflow_migrations")
+    return {"commit": git("rev-parse", "--short", "HEAD"), "engine_dirty": dirty.splitlines()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="Run the benchmarks, write bench/RESULTS.md")
+    p.add_argument("--quick", action="store_true", help="a small version, under 2 minutes")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--skip-peers", action="store_true")
+    p.add_argument("--skip-scale", action="store_true")
+    p.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"))
+    args = p.parse_args()
+    quick = args.quick
+    runner = Runner(quick)
+    started = time.monotonic()
+    py = sys.executable
+    meta: dict[str, Any] = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "quick": quick,
+        "machine": machine_info(),
+        "postgres": pg_info(),
+        "git": git_state(),
+        "python": sys.version.split()[0],
+    }
+    meta["latency_probe"] = commit_latency()
+    runner.say(f"machine: {meta['machine']}")
+    runner.say(f"postgres: {meta['postgres']}")
+
+    peers: dict[str, str] = {}
+    if not args.skip_peers:
+        for name in PEERS:
+            exe = ensure_venv(runner, name)
+            if exe:
+                peers[name] = exe
+        if "celery" in peers:
+            try:
+                import socket
+                from urllib.parse import urlsplit
+
+                u = urlsplit(REDIS_URL)
+                socket.create_connection((u.hostname, u.port or 6379), timeout=3).close()
+            except OSError as e:
+                runner.errors.append(
+                    {"label": "celery", "error": f"Redis unreachable: {e}", "system": "celery"}
+                )
+                peers.pop("celery")
+        meta["peer_versions"] = peer_versions(peers)
+
+    rounds = args.rounds or (1 if quick else 3)
+    if quick:
+        slices, slice_s, dur, warm = 2, 1.0, 2.0, 0.5
+        fast_sets = [(3, 1), (3, 8)]
+        peer_sets = [(3, 1), (3, 8)]
+        paired_extra = [(1, 1), (1, 8)]
+        p_runs = {1: 100, 3: 60}
+    else:
+        slices, slice_s, dur, warm = 4, 2.0, 6.0, 1.5
+        fast_sets = [(3, 1), (3, 8), (1, 1), (1, 8)]
+        peer_sets = fast_sets
+        paired_extra = []
+        p_runs = {1: 600, 3: 300}
+    meta["settings"] = {
+        "rounds": rounds,
+        "paired_slices": slices,
+        "slice_s": slice_s,
+        "peer_duration_s": dur,
+        "warmup_s": warm,
+        "procrastinate_runs": p_runs,
+    }
+
+    for rnd in range(rounds):
+        runner.say(f"=== round {rnd + 1}/{rounds}")
+        for tasks, threads in fast_sets:
+            tag = {"round": rnd}
+            runner.run(
+                f"null+engine {tasks}-task x{threads}",
+                [
+                    py,
+                    "-m",
+                    "bench.engine",
+                    "paired",
+                    "--tasks",
+                    str(tasks),
+                    "--threads",
+                    str(threads),
+                    "--slices",
+                    str(slices),
+                    "--slice",
+                    str(slice_s),
+                ],
+                tag,
+            )
+            if (tasks, threads) in peer_sets:
+                for name, exe in peers.items():
+                    script = os.path.join(HERE, PEER_SCRIPT[name])
+                    if name == "procrastinate":
+                        cmd = [
+                            exe,
+                            script,
+                            "--tasks",
+                            str(tasks),
+                            "--threads",
+                            str(threads),
+                            "--runs",
+                            str(p_runs[tasks]),
+                        ]
+                    else:
+                        cmd = [
+                            exe,
+                            script,
+                            "--tasks",
+                            str(tasks),
+                            "--threads",
+                            str(threads),
+                            "--duration",
+                            str(dur),
+                            "--warmup",
+                            str(warm),
+                        ]
+                    runner.run(f"{name} {tasks}-task x{threads}", cmd, dict(tag, system=name))
+            if tasks == 3 and not quick:
+                runner.run(
+                    f"engine batch {tasks}-task x{threads}",
+                    [
+                        py,
+                        "-m",
+                        "bench.engine",
+                        "fast",
+                        "--mode",
+                        "batch",
+                        "--tasks",
+                        str(tasks),
+                        "--threads",
+                        str(threads),
+                        "--duration",
+                        str(dur),
+                        "--warmup",
+                        str(warm),
+                    ],
+                    tag,
+                )
+        for tasks, threads in paired_extra:
+            runner.run(
+                f"null+engine {tasks}-task x{threads}",
+                [
+                    py,
+                    "-m",
+                    "bench.engine",
+                    "paired",
+                    "--tasks",
+                    str(tasks),
+                    "--threads",
+                    str(threads),
+                    "--slices",
+                    str(slices),
+                    "--slice",
+                    str(slice_s),
+                ],
+                {"round": rnd},
+            )
+        for procs in (1, 3):
+            runner.run(
+                f"workers 3-task x{procs} procs",
+                [
+                    py,
+                    "-m",
+                    "bench.engine",
+                    "workers",
+                    "--tasks",
+                    "3",
+                    "--procs",
+                    str(procs),
+                    "--runs",
+                    str(500 if quick else 2000),
+                ],
+                {"round": rnd},
+            )
+    for listen in (True, False):
+        runner.run(
+            f"pickup {'LISTEN' if listen else 'poll-only'}",
+            [
+                py,
+                "-m",
+                "bench.engine",
+                "pickup",
+                "--listen" if listen else "--no-listen",
+                "--samples",
+                str((10 if listen else 8) if quick else 50),
+                "--poll-interval",
+                "1",
+            ],
+            {},
+        )
+    if not args.skip_scale:
+        runner.run(
+            "scale",
+            [
+                py,
+                "-m",
+                "bench.engine",
+                "scale",
+                "--sizes",
+                "10000,100000" if quick else "10000,1000000",
+                "--reps",
+                "20" if quick else "100",
+                "--churn",
+                "0" if quick else "200000",
+            ],
+            {},
+            timeout=1200,
+        )
+    meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    raw = os.path.join(HERE, ".logs", "results-quick.json" if quick else "results.json")
+    with open(raw, "w") as f:
+        json.dump(
+            {"meta": meta, "results": runner.results, "errors": runner.errors},
+            f,
+            indent=1,
+            default=str,
+        )
+    from bench.report import write_report
+
+    write_report(args.out, meta, runner.results, runner.errors)
+    runner.say(
+        f"wrote {os.path.relpath(args.out, REPO)} in {meta['elapsed_s']:.0f}s "
+        f"(log: {os.path.relpath(runner.log_path, REPO)})"
+    )
+
+
+def peer_versions(peers: dict[str, str]) -> dict[str, str]:
+    dist = {"dbos": "dbos", "procrastinate": "procrastinate", "celery": "celery"}
+    out = {}
+    for name, exe in peers.items():
+        try:
+            out[name] = subprocess.run(
+                [exe, "-c", f"import importlib.metadata as m; print(m.version({dist[name]!r}))"],
+                capture_output=True,
+                text=True,
+                timeout=30,
+            ).stdout.strip()
+        except Exception:
+            out[name] = "?"
+    return out
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except Exception:
+        traceback.print_exc()
+        sys.exit(1)

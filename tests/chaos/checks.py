@@ -1,0 +1,304 @@
+"""The checks run at the end of a chaos run, over the engine's tables and the test's own.
+
+Everything is read once into memory and checked in Python; see `schema.py` for
+what each table holds. Times are the database clock throughout (`clock_timestamp()`
+in the ledger and in the triggers), so no host clock is compared with another.
+
+Why the fencing check is sound
+------------------------------
+A claim id is a fresh random UUID, set once on one run and cleared once. The
+`chaos_claims` trigger gives, per claim C, the moment it was set (`set(C)`) and the
+moment it was cleared or replaced (`clear(C)`); between the two, C is the run's
+claim and nothing else is. Row locks serialise every change of a run row, so on
+one run these trigger times are in the order the changes happened.
+
+A task's output is the id of the execution E that produced it. The
+`chaos_task_events` trigger sees the write W that stored it (its time and its
+transaction). The claim that W happened under is
+- the claim cleared in W's own transaction, when W finished the run (the run update
+  and the task update are one statement), else
+- the run's claim at W's time: the newest claim set before W (nothing cleared it
+  before W, or W's fenced statement would have matched no row).
+We require that this writer claim is E's own claim (read by the handler from its
+executor's frame, independently of the database), that E began after its claim was
+set and ended before W. Since claim ids are never reused, E's claim was then valid
+from before E began until W: E ended while its claim was valid, and the output it
+returned is the one recorded. An executor whose claim was swept (a hung handler
+coming back late, or one whose heartbeats stopped while the server restarted) has
+a different claim from the run's current one, so an output it wrote would fail the
+check; and any second write of an output (`old_output` not NULL) is counted as an
+overwrite outright.
+
+Overlaps: each execution held a valid claim during [max(begin, set(C)),
+min(end, clear(C))] (a killed execution has no end: until its claim was cleared).
+Two executions of one task, or of one run under one claim, must not have
+intersecting intervals. The ledger's begin is written just after the handler
+starts and its end just before it returns, so these intervals are slightly
+narrower than the real ones: an overlap found is real; an overlap of less than a
+couple of database round trips could go unseen.
+
+Attempts: a handler sees attempt = persisted count + 1. For each execution whose
+claim was valid when it began, its attempt - 1 must equal the attempt-count bumps
+(failures and sweeps) committed before it began; no execution may see an attempt
+above `max_attempts` (the engine parks first); and no task's persisted count may
+exceed `max_attempts` + the sweeps that bumped it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from collections import defaultdict
+from typing import Any
+
+import attrs
+import psycopg
+
+from .schema import SWEEP_ERROR_PREFIX
+
+INF = datetime.datetime.max.replace(tzinfo=datetime.timezone.utc)
+
+
+@attrs.define
+class Report:
+    runs: int = 0
+    started_recorded: int = 0
+    executions: int = 0
+    re_executions: int = 0
+    injected_failures: int = 0
+    killed_executions: int = 0
+    stale_executions: int = 0
+    sweeps: int = 0
+    fast_path_executions: int = 0
+    lost: int = 0
+    overwritten: int = 0
+    overlaps: int = 0
+    attempts_over: int = 0
+    stale_reads: int = 0
+    unknown_claims: int = 0
+    problems: list[str] = attrs.field(factory=list)
+
+    @property
+    def violations(self) -> int:
+        return (
+            self.lost
+            + self.overwritten
+            + self.overlaps
+            + self.attempts_over
+            + self.stale_reads
+            + self.unknown_claims
+        )
+
+    def problem(self, text: str) -> None:
+        if len(self.problems) < 30:
+            self.problems.append(text)
+
+
+@attrs.frozen
+class _Exec:
+    exec_id: uuid.UUID
+    run_id: uuid.UUID
+    seq: int
+    attempt: int
+    pid: int
+    claim: uuid.UUID | None
+    prev_output: str | None
+    started_at: datetime.datetime
+    ended_at: datetime.datetime | None
+    outcome: str | None
+
+
+def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | None) -> Report:
+    """Run every check on the chaos database; the report (violations and counts)."""
+    r = Report()
+    runs = dict(conn.execute("SELECT id, status FROM workflow_runs").fetchall())
+    started = {row[0] for row in conn.execute("SELECT run_id FROM chaos_started").fetchall()}
+    tasks: dict[tuple[uuid.UUID, int], tuple[Any, int]] = {
+        (run_id, seq): (output, attempts)
+        for run_id, seq, output, attempts in conn.execute(
+            "SELECT run_id, seq, output, attempts FROM workflow_tasks"
+        ).fetchall()
+    }
+    execs = [
+        _Exec(*row)
+        for row in conn.execute(
+            "SELECT exec_id, run_id, seq, attempt, pid, coalesce(claim_id, claim_at_start), "
+            "prev_output, started_at, ended_at, outcome FROM chaos_exec ORDER BY started_at"
+        ).fetchall()
+    ]
+    claim_rows = conn.execute(
+        "SELECT run_id, old_claim, new_claim, at, xid FROM chaos_claims ORDER BY run_id, at, id"
+    ).fetchall()
+    event_rows = conn.execute(
+        "SELECT run_id, seq, old_output, new_output, old_attempts, new_attempts, error, at, xid "
+        "FROM chaos_task_events ORDER BY run_id, seq, at, id"
+    ).fetchall()
+
+    claim_set: dict[uuid.UUID, datetime.datetime] = {}
+    claim_clear: dict[uuid.UUID, datetime.datetime] = {}
+    claims_of_run: dict[uuid.UUID, list[tuple[Any, ...]]] = defaultdict(list)
+    for run_id, old, new, at, xid in claim_rows:
+        claims_of_run[run_id].append((old, new, at, xid))
+        if new is not None:
+            claim_set[new] = at
+        if old is not None:
+            claim_clear[old] = at
+    events: dict[tuple[uuid.UUID, int], list[tuple[Any, ...]]] = defaultdict(list)
+    for run_id, seq, *rest in event_rows:
+        events[(run_id, seq)].append(tuple(rest))
+    execs_of_task: dict[tuple[uuid.UUID, int], list[_Exec]] = defaultdict(list)
+    by_id = {e.exec_id: e for e in execs}
+    for e in execs:
+        execs_of_task[(e.run_id, e.seq)].append(e)
+
+    r.runs = len(runs)
+    r.started_recorded = len(started)
+    r.executions = len(execs)
+
+    # 1. Lost: every recorded start exists, and every run of the table succeeded.
+    for run_id in started - runs.keys():
+        r.lost += 1
+        r.problem(f"lost: run {run_id} was started (committed) but is not in workflow_runs")
+    for run_id, status in runs.items():
+        if status != "succeeded":
+            r.lost += 1
+            r.problem(f"lost: run {run_id} ended {status}, not succeeded")
+
+    # 2. Overwritten: one output write per task, by the execution the writer claim ran.
+    final_output: dict[tuple[uuid.UUID, int], str | None] = {}
+    for key, (output, _) in tasks.items():
+        final_output[key] = output
+        writes = [ev for ev in events.get(key, []) if ev[0] != ev[1]]
+        for old, new, *_ in writes:
+            if old is not None:
+                r.overwritten += 1
+                r.problem(f"overwritten: task {key}: output {old} replaced by {new}")
+        if output is None:
+            continue
+        if not writes:
+            r.overwritten += 1
+            r.problem(f"fencing: task {key}: output {output} was written unobserved")
+            continue
+        _, _, _, _, _, w_at, w_xid = writes[-1]
+        try:
+            e = by_id.get(uuid.UUID(output))
+        except (TypeError, ValueError):
+            e = None
+        if e is None or (e.run_id, e.seq) != key or e.outcome != "returned":
+            r.overwritten += 1
+            r.problem(f"fencing: task {key}: output {output!r} is no returned execution of it")
+            continue
+        writer = _writer_claim(claims_of_run.get(key[0], []), w_at, w_xid)
+        if e.claim is None or e.claim != writer:
+            r.overwritten += 1
+            r.problem(
+                f"fencing: task {key}: output of execution {e.exec_id} (claim {e.claim}) was "
+                f"written under claim {writer}"
+            )
+        elif not (
+            claim_set.get(e.claim, INF) <= e.started_at
+            and e.ended_at is not None
+            and e.ended_at <= w_at
+        ):
+            r.overwritten += 1
+            r.problem(
+                f"fencing: task {key}: execution {e.exec_id} did not run inside its claim "
+                f"(set {claim_set.get(e.claim)}, began {e.started_at}, ended {e.ended_at}, "
+                f"written {w_at})"
+            )
+
+    # 3. Overlaps, among executions of one task and of one run under one claim.
+    intervals: dict[uuid.UUID, tuple[datetime.datetime, datetime.datetime]] = {}
+    for e in execs:
+        if e.claim is None or e.claim not in claim_set:
+            r.unknown_claims += 1
+            r.problem(f"claim: execution {e.exec_id} ran under claim {e.claim}, never set")
+            continue
+        lo = max(e.started_at, claim_set[e.claim])
+        hi = min(e.ended_at or INF, claim_clear.get(e.claim, INF))
+        if lo < hi:
+            intervals[e.exec_id] = (lo, hi)
+        if e.ended_at is None:
+            r.killed_executions += 1
+        elif e.ended_at > claim_clear.get(e.claim, INF) or e.started_at >= claim_clear.get(
+            e.claim, INF
+        ):
+            r.stale_executions += 1
+    groups: dict[Any, list[_Exec]] = defaultdict(list)
+    for e in execs:
+        groups[("task", e.run_id, e.seq)].append(e)
+        groups[("claim", e.run_id, e.claim)].append(e)
+    seen_pairs: set[tuple[uuid.UUID, uuid.UUID]] = set()
+    for group in groups.values():
+        for i, a in enumerate(group):
+            for b in group[i + 1 :]:
+                ia, ib = intervals.get(a.exec_id), intervals.get(b.exec_id)
+                if ia is None or ib is None or not (ia[0] < ib[1] and ib[0] < ia[1]):
+                    continue
+                pair = (min(a.exec_id, b.exec_id), max(a.exec_id, b.exec_id))
+                if pair in seen_pairs:
+                    continue
+                seen_pairs.add(pair)
+                r.overlaps += 1
+                r.problem(
+                    f"overlap: executions {a.exec_id} (seq {a.seq}, claim {a.claim}) and "
+                    f"{b.exec_id} (seq {b.seq}, claim {b.claim}) of run {a.run_id} both held "
+                    f"a valid claim during {max(ia[0], ib[0])} .. {min(ia[1], ib[1])}"
+                )
+
+    # 4. Attempts.
+    for key, (_, attempts) in tasks.items():
+        bumps = [ev for ev in events.get(key, []) if ev[3] != ev[2]]
+        sweeps = sum(ev[3] - ev[2] for ev in bumps if (ev[4] or "").startswith(SWEEP_ERROR_PREFIX))
+        r.sweeps += sweeps
+        if attempts > max_attempts + sweeps:
+            r.attempts_over += 1
+            r.problem(f"attempts: task {key}: {attempts} > {max_attempts} + {sweeps} sweeps")
+        for e in execs_of_task.get(key, []):
+            if e.attempt > max_attempts:
+                r.attempts_over += 1
+                r.problem(f"attempts: execution {e.exec_id} saw attempt {e.attempt}")
+            valid_at_start = e.claim is not None and claim_set.get(
+                e.claim, INF
+            ) <= e.started_at < claim_clear.get(e.claim, INF)
+            if not valid_at_start:
+                continue
+            before = sum(ev[3] - ev[2] for ev in bumps if ev[5] < e.started_at)
+            if e.attempt - 1 != before:
+                r.attempts_over += 1
+                r.problem(
+                    f"attempts: execution {e.exec_id} of task {key} saw attempt {e.attempt}, "
+                    f"but {before} attempts had ended before it began"
+                )
+
+    # 5. Every execution of a later task read the one recorded output of the task before.
+    for e in execs:
+        if e.seq > 1:
+            recorded = final_output.get((e.run_id, e.seq - 1))
+            if e.prev_output != recorded:
+                r.stale_reads += 1
+                r.problem(
+                    f"read: execution {e.exec_id} (seq {e.seq}) read {e.prev_output!r}, "
+                    f"recorded {recorded!r}"
+                )
+
+    # Counts.
+    r.re_executions = sum(len(group) - 1 for group in execs_of_task.values() if group)
+    r.injected_failures = sum(1 for e in execs if e.outcome == "raised")
+    if starter_pid is not None:
+        r.fast_path_executions = sum(1 for e in execs if e.pid == starter_pid)
+    return r
+
+
+def _writer_claim(
+    history: list[tuple[Any, ...]], w_at: datetime.datetime, w_xid: int
+) -> uuid.UUID | None:
+    """The claim a write at `w_at` in transaction `w_xid` was made under (see the module doc)."""
+    for old, _new, _at, xid in history:
+        if xid == w_xid and old is not None:
+            return old  # type: ignore[no-any-return]
+    current = None
+    for _old, new, at, xid in history:
+        if at <= w_at and xid != w_xid:
+            current = new
+    return current  # type: ignore[no-any-return]

@@ -1,0 +1,335 @@
+"""The chaos run: a private PostgreSQL, three workers, a starter, kills and a restart.
+
+1. Start a private PostgreSQL (`tests/privatepg.py`), create the `chaos` database,
+   migrate it as the owner, add the test's own tables and triggers (`schema.py`).
+2. Start three `python -m workflow.worker --app tests.chaos.app:app` processes and
+   the starter (`python -m tests.chaos.starter`), which starts runs continuously
+   with `start_tx` and, for a share, `start()` on its own manager (whose fast path
+   executes them in the starter).
+3. For the load period, every 2-4 s SIGKILL a random worker and start a
+   replacement at once; once, part-way, restart PostgreSQL (`pg_ctl restart -m
+   fast`). A worker that exits on its own after it had started is a crash; a
+   replacement that fails to start (it may find the server down) is restarted.
+4. SIGTERM the starter (it drains its manager and reports its counts), wait with a
+   deadline until no run is unfinished, SIGTERM the workers (each must exit 0).
+5. Run the checks (`checks.py`) and print one summary line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import psycopg
+
+from workflow.store import migrate
+
+from . import app as chaos_app
+from .checks import Report, check
+from .ledger import URL_ENV
+from .schema import TABLES
+
+try:
+    from tests.privatepg import PrivatePostgres, available
+except ImportError:  # imported as `chaos` by pytest, with tests/ on sys.path
+    from privatepg import PrivatePostgres, available  # type: ignore[no-redef]
+
+ROOT = Path(__file__).resolve().parents[2]
+APP = "tests.chaos.app:app"
+STARTED = "workflow: worker started"
+WORKERS = 3
+WORKER_ARGS = (
+    "--concurrency",
+    "8",
+    "--batch-size",
+    "8",
+    "--poll-interval",
+    "1",
+    "--sweep-interval",
+    "1",
+    "--log-level",
+    "INFO",
+)
+
+
+@attrs.frozen
+class Plan:
+    """How long and how hard to shake."""
+
+    load_seconds: float
+    rate: float = 6.0
+    kill_every: tuple[float, float] = (2.0, 4.0)
+    restart_at: float = 0.45
+    drain_timeout: float = 90.0
+    seed: int = 0
+
+    @classmethod
+    def short(cls, seed: int = 0) -> Plan:
+        return cls(load_seconds=70.0, drain_timeout=60.0, seed=seed)
+
+    @classmethod
+    def long(cls, minutes: float, seed: int = 0) -> Plan:
+        return cls(load_seconds=minutes * 60.0, drain_timeout=180.0, seed=seed)
+
+
+@attrs.define
+class Result:
+    report: Report
+    kills: int = 0
+    restarts: int = 0
+    crashes: int = 0
+    replacement_failures: int = 0
+    worker_exits: list[int | None] = attrs.field(factory=list)
+    starter: dict[str, Any] = attrs.field(factory=dict)
+    starter_exit: int | None = None
+    drained: bool = False
+    seconds: float = 0.0
+    logdir: Path | None = None
+    problems: list[str] = attrs.field(factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            not self.problems
+            and self.report.violations == 0
+            and self.report.runs > 0
+            and self.kills > 0
+            and self.restarts == 1
+        )
+
+    def summary(self) -> str:
+        r = self.report
+        return (
+            f"chaos summary: runs={r.runs} kills={self.kills} restarts={self.restarts} "
+            f"re-executions={r.re_executions} lost={r.lost} overwritten={r.overwritten} "
+            f"overlaps={r.overlaps} attempts_over={r.attempts_over} "
+            f"stale_reads={r.stale_reads} crashes={self.crashes} "
+            f"(executions={r.executions} sweeps={r.sweeps} injected_failures="
+            f"{r.injected_failures} killed_mid_task={r.killed_executions} "
+            f"stale_executions={r.stale_executions} fast_path_executions="
+            f"{r.fast_path_executions} started_recorded={r.started_recorded} "
+            f"failed_starts={self.starter.get('failed', '?')} "
+            f"replacement_failures={self.replacement_failures} seconds={self.seconds:.0f})"
+        )
+
+
+class _Proc:
+    """A subprocess with stdout and stderr in files of the run's log directory."""
+
+    def __init__(self, name: str, argv: list[str], url: str, logdir: Path) -> None:
+        self.name = name
+        env = {k: v for k, v in os.environ.items() if k != "WORKFLOW_DATABASE_URL"}
+        env[URL_ENV] = url
+        env["PYTHONUNBUFFERED"] = "1"
+        self.log = logdir / f"{name}.log"
+        self.out = logdir / f"{name}.out"
+        self._err: IO[str] = self.log.open("w")
+        self._stdout: IO[str] = self.out.open("w")
+        self.proc = subprocess.Popen(
+            argv,
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=self._stdout,
+            stderr=self._err,
+            text=True,
+        )
+        self.killed = False
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        self.killed = True
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(30)
+        self.close_files()
+
+    def close_files(self) -> None:
+        for f in (self._err, self._stdout):
+            with contextlib.suppress(OSError):
+                f.close()
+
+
+def _worker(index: int, url: str, logdir: Path) -> _Proc:
+    argv = [
+        sys.executable,
+        "-m",
+        "workflow.worker",
+        "--app",
+        APP,
+        "--database-url",
+        url,
+        *WORKER_ARGS,
+    ]
+    return _Proc(f"worker-{index:03d}", argv, url, logdir)
+
+
+def _wait_for(predicate: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Result:
+    """Run the whole chaos scenario of `plan`; the result (checks included)."""
+    reason = available()
+    if reason is not None:
+        raise RuntimeError(f"chaos needs a private PostgreSQL: {reason}")
+    began = time.monotonic()
+    rng = random.Random(plan.seed)
+    logdir = Path(tempfile.mkdtemp(prefix="workflow-chaos-"))
+    pg = PrivatePostgres(max_connections=300)
+    procs: list[_Proc] = []
+    result = Result(report=Report(), logdir=logdir)
+    try:
+        pg.start()
+        with psycopg.connect(pg.url(), autocommit=True) as admin:
+            admin.execute("CREATE DATABASE chaos")
+        url = pg.url("chaos")
+        migrate(url)
+        with psycopg.connect(url, autocommit=True) as conn:
+            conn.execute(TABLES)
+        say(f"chaos: PostgreSQL on {pg.url()} (data {pg.base}), logs in {logdir}")
+
+        workers = [_worker(i, url, logdir) for i in range(WORKERS)]
+        procs.extend(workers)
+        next_index = WORKERS
+        _wait_for(lambda: all(STARTED in w.text() for w in workers), 60, "workers to start")
+        starter = _Proc(
+            "starter",
+            [
+                sys.executable,
+                "-m",
+                "tests.chaos.starter",
+                "--database-url",
+                url,
+                "--rate",
+                str(plan.rate),
+                "--seed",
+                str(plan.seed),
+            ],
+            url,
+            logdir,
+        )
+        procs.append(starter)
+
+        load_end = time.monotonic() + plan.load_seconds
+        restart_at = time.monotonic() + plan.load_seconds * plan.restart_at
+        next_kill = time.monotonic() + rng.uniform(*plan.kill_every)
+        while time.monotonic() < load_end:
+            now = time.monotonic()
+            if result.restarts == 0 and now >= restart_at:
+                say("chaos: restarting PostgreSQL (pg_ctl restart -m fast)")
+                pg.restart()
+                result.restarts += 1
+            if now >= next_kill:
+                victim = rng.choice(workers)
+                victim.kill()
+                result.kills += 1
+                workers[workers.index(victim)] = replacement = _worker(next_index, url, logdir)
+                procs.append(replacement)
+                next_index += 1
+                next_kill = now + rng.uniform(*plan.kill_every)
+            for i, w in enumerate(workers):
+                code = w.proc.poll()
+                if code is None:
+                    continue
+                if STARTED in w.text():
+                    result.crashes += 1
+                    result.problems.append(
+                        f"{w.name} (pid {w.pid}) exited {code} on its own: see {w.log}"
+                    )
+                else:
+                    result.replacement_failures += 1
+                w.close_files()
+                workers[i] = _worker(next_index, url, logdir)
+                procs.append(workers[i])
+                next_index += 1
+            if starter.proc.poll() is not None:
+                result.problems.append(f"the starter exited early: see {starter.log}")
+                break
+            time.sleep(0.1)
+
+        say(f"chaos: load over after {time.monotonic() - began:.0f}s; stopping the starter")
+        if starter.proc.poll() is None:
+            starter.proc.send_signal(signal.SIGTERM)
+        try:
+            result.starter_exit = starter.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            starter.kill()
+            result.problems.append("the starter did not stop within 60s of SIGTERM")
+        starter.close_files()
+        with contextlib.suppress(OSError, ValueError):
+            lines = starter.out.read_text().strip().splitlines()
+            result.starter = json.loads(lines[-1]) if lines else {}
+        if result.starter_exit not in (0, None):
+            result.problems.append(f"the starter exited {result.starter_exit}: see {starter.log}")
+
+        with psycopg.connect(url, autocommit=True) as conn:
+            deadline = time.monotonic() + plan.drain_timeout
+            while True:
+                row = conn.execute(
+                    "SELECT count(*) FROM workflow_runs WHERE finished_at IS NULL"
+                ).fetchone()
+                if row is not None and row[0] == 0:
+                    result.drained = True
+                    break
+                if time.monotonic() > deadline:
+                    result.problems.append(
+                        f"{row[0] if row else '?'} runs unfinished {plan.drain_timeout:g}s "
+                        "after the starter stopped"
+                    )
+                    break
+                time.sleep(0.25)
+            say(f"chaos: drained={result.drained}; stopping the workers")
+            for w in workers:
+                if w.proc.poll() is None:
+                    w.proc.send_signal(signal.SIGTERM)
+            for w in workers:
+                try:
+                    result.worker_exits.append(w.proc.wait(60))
+                except subprocess.TimeoutExpired:
+                    w.kill()
+                    result.worker_exits.append(None)
+                w.close_files()
+                if result.worker_exits[-1] != 0:
+                    result.problems.append(
+                        f"{w.name} exited {result.worker_exits[-1]} after SIGTERM: see {w.log}"
+                    )
+            result.report = check(conn, chaos_app.MAX_ATTEMPTS, starter.pid)
+        result.seconds = time.monotonic() - began
+        return result
+    finally:
+        for p in procs:
+            if p.proc.poll() is None:
+                with contextlib.suppress(Exception):
+                    p.kill()
+            p.close_files()
+        if not result.ok:
+            tail = pg.log_tail(40)
+            (logdir / "postgres.log").write_text(tail)
+        pg.cleanup()
+        if result.ok and not keep_logs:
+            shutil.rmtree(logdir, ignore_errors=True)
