@@ -15,20 +15,22 @@ server-side prepared statements), every runnable is poll-only (`runner_config`,
 
 from __future__ import annotations
 
+import ctypes
 import os
 import pwd
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
 import psycopg
-import pytest
 from psycopg.conninfo import conninfo_to_dict
 
 import workflow
@@ -39,18 +41,6 @@ ENABLED = os.environ.get(ENV, "").strip().lower() not in ("", "0", "false", "no"
 
 ENGINE_KWARGS: dict[str, Any] = {"prepare_threshold": None} if ENABLED else {}
 """Connection kwargs of the engine's pools: no server-side prepared statements in the mode."""
-
-worker_prepares_statements = pytest.mark.xfail(
-    ENABLED,
-    reason=(
-        "engine bug behind PgBouncer < 1.21: `python -m workflow.worker --no-listen` builds its "
-        "pool with psycopg's default prepare_threshold=5, and a URL cannot turn that off "
-        '(prepared statement "_pg3_0" does not exist / already exists); '
-        "drop this mark once the worker disables prepared statements when poll-only"
-    ),
-    strict=False,
-)
-"""For worker-subprocess tests that fail in the mode because of that bug."""
 
 # Debian installs the binary in /usr/sbin, which a non-root PATH may lack.
 _SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin"])
@@ -104,6 +94,27 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _die_with_parent() -> Callable[[], None] | None:
+    """A `preexec_fn` that has the child sent SIGTERM when the thread starting it ends.
+
+    Linux only (`prctl(PR_SET_PDEATHSIG)`): a pytest killed outright leaves no
+    pgbouncer behind. It runs after the switch to another user, which would
+    otherwise clear the setting.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    pr_set_pdeathsig, sigterm = 1, int(signal.SIGTERM)
+
+    def set_parent_death_signal() -> None:
+        prctl(pr_set_pdeathsig, sigterm)
+
+    return set_parent_death_signal
+
+
 def _quote_ini(value: str) -> str:
     """A value for a libpq-style `key=value` string in pgbouncer.ini."""
     if value and all(c.isalnum() or c in "._-/" for c in value):
@@ -116,7 +127,7 @@ class PgBouncer:
 
     `start()` writes its config, user list, log and pid files into a fresh temp
     directory (owned by the `postgres` OS user when run as root: pgbouncer refuses
-    to run as root, so it is started with `-u postgres`), waits until it accepts
+    to run as root, so it is started as that user), waits until it accepts
     connections and returns. `url(dbname)` is a URL of any database of the server
     through it. `stop()` ends the process (by its pid) and removes the directory.
     """
@@ -204,16 +215,17 @@ class PgBouncer:
             if run_as is not None:
                 for path in (self.dir, *self.dir.iterdir()):
                     os.chown(path, run_as.pw_uid, run_as.pw_gid)
-            argv = [self.binary, "-q"]
+            user: dict[str, Any] = {}
             if run_as is not None:
-                argv += ["-u", run_as.pw_name]
-            argv.append(str(ini))
+                user = {"user": run_as.pw_uid, "group": run_as.pw_gid, "extra_groups": []}
             self.proc = subprocess.Popen(
-                argv,
+                [self.binary, "-q", str(ini)],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,  # Ctrl-C in the terminal is for pytest, not for it
+                preexec_fn=_die_with_parent(),
+                **user,
             )
             last_error = self._wait_ready(timeout)
             if not last_error:

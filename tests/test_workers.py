@@ -147,7 +147,6 @@ def db_now(db: psycopg.Connection[Any]) -> datetime.datetime:
 
 
 @pytest.mark.slow
-@pgbouncer.worker_prepares_statements
 def test_three_workers_drain_1000_start_tx_runs_each_task_exactly_once(
     ledger: psycopg.Connection[Any], spawn: Spawn, make_manager: Any, pool: Any
 ) -> None:

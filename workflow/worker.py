@@ -9,11 +9,15 @@
 here, in the worker process, after the current directory is put on `sys.path`.
 The URL defaults to `$WORKFLOW_DATABASE_URL`.
 
-The worker builds a `Manager` (owning its pool) and runs one `Runnable` until
+The worker builds a `Manager` over a pool of its own and runs one `Runnable` until
 SIGTERM or SIGINT, which drains it (in-flight attempts finish and are recorded,
 claims are released) and exits 0; a second signal exits at once. Exit codes: 0
 after a drain, 1 for a bad `--app`, an unreachable database or an outdated schema,
 2 for a usage error. Each failure is exactly one line on stderr, no traceback.
+
+`--no-listen` is for a transaction-mode pooler (PgBouncer): it also turns off
+psycopg's server-side prepared statements (`prepare_threshold=None`), which
+PgBouncer before 1.21 cannot carry from one server connection to the next.
 """
 
 from __future__ import annotations
@@ -36,8 +40,9 @@ from typing import Any, NoReturn
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool
 
-from workflow.config import App, Config, RunnerConfig, RunnerSettings
+from workflow.config import App, Config, RunnerConfig, RunnerSettings, Settings
 from workflow.definition import Registry
 from workflow.errors import WorkflowError
 from workflow.logs import ALERT
@@ -180,7 +185,10 @@ def _parser() -> _Parser:
         "--no-listen",
         dest="listen",
         action="store_false",
-        help="poll only, no LISTEN (behind a transaction-mode pooler such as PgBouncer)",
+        help=(
+            "poll only, no LISTEN, no server-side prepared statements (behind a "
+            "transaction-mode pooler such as PgBouncer)"
+        ),
     )
     parser.add_argument(
         "--log-level",
@@ -310,6 +318,26 @@ def _check_database(url: str) -> None:
         raise _Failure(_one_line(SchemaOutdated(found, SCHEMA_VERSION)))
 
 
+def _pool(url: str, config: Config, listen: bool) -> ConnectionPool[Any]:
+    """The manager's pool (not open yet), sized as `Manager(url)` sizes the pool it builds.
+
+    Poll-only (`--no-listen`) means a transaction-mode pooler may sit in between:
+    no server-side prepared statements then, since a statement prepared on one
+    server connection is unknown on the next (or already taken there).
+    """
+    kwargs: dict[str, Any] = {"autocommit": True}
+    if not listen:
+        kwargs["prepare_threshold"] = None
+    return ConnectionPool(
+        url,
+        min_size=1,
+        max_size=max(4, min(Settings.of(config).max_local_runs, 16)),
+        kwargs=kwargs,
+        open=False,
+        name="workflow",
+    )
+
+
 # Signals.
 
 
@@ -410,9 +438,12 @@ def _serve(args: argparse.Namespace, signals: _Signals) -> int:
     _configure_logging(args.log_level)
     _check_database(url)
     runner_config = _runner_config(args)
+    pool = _pool(url, app.config or Config(), args.listen)
     try:
-        manager = Manager(url, app.registry, app.config, logger=app.logger)
+        pool.open(wait=True, timeout=30.0)
+        manager = Manager(pool, app.registry, app.config, logger=app.logger)
     except (psycopg.Error, WorkflowError) as exc:
+        pool.close()
         text = str(exc)
         if not text.startswith("workflow: "):
             text = f"workflow: cannot start the worker: {text}"
@@ -432,6 +463,7 @@ def _serve(args: argparse.Namespace, signals: _Signals) -> int:
         runnable.stop()
     finally:
         manager.close()
+        pool.close()
     logger.info("workflow: worker stopped")
     return 0
 
