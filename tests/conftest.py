@@ -11,10 +11,13 @@ With `$WORKFLOW_TEST_PGBOUNCER` set (see `pgbouncer.py`), the engine's pools
 started for the session, with `prepare_threshold=None`; creating, migrating,
 dropping and inspecting (`db`) databases stays direct. Tests marked `direct` need
 a PostgreSQL session of their own and are skipped in that mode.
+
+`logs` gives a test a logger of its own and the `helpers.Records` it feeds.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import uuid
@@ -24,6 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import psycopg
 import pytest
+from helpers import Records
 from pgbouncer import ENABLED, ENV, PgBouncer, engine_pool_kwargs, find_binary
 
 from workflow.store import migrate
@@ -205,3 +209,19 @@ def make_manager(pool: Any) -> Iterator[Any]:
     yield make
     for mgr in built:
         mgr.close(timeout=10)
+
+
+@pytest.fixture
+def logs(request: pytest.FixtureRequest) -> Iterator[tuple[logging.Logger, Records]]:
+    """A fresh logger of the test's own (DEBUG, not propagated) and the `Records` it feeds.
+
+    Named `test.<module without "test_">.<random hex>`.
+    """
+    module = request.module.__name__.rpartition(".")[2].removeprefix("test_")
+    logger = logging.getLogger(f"test.{module}.{uuid.uuid4().hex}")
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False
+    records = Records()
+    logger.addHandler(records)
+    yield logger, records
+    logger.removeHandler(records)

@@ -22,13 +22,13 @@ import psycopg
 import pytest
 from adoption import require
 from adoption.servers import (
-    ROOT,
     ServerProcess,
     child_env,
     free_port,
     http,
     wait_until_serving,
 )
+from helpers import ROOT
 
 from workflow.store import SCHEMA_VERSION, schema_version
 

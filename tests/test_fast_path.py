@@ -17,6 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import FLUSH_STATS, committed_transactions
 from pgbouncer import runner_config
 from psycopg_pool import ConnectionPool
 
@@ -207,18 +208,6 @@ def test_start_with_the_pool_full_is_picked_up_by_a_poller(
 
 
 # Transactions per run.
-
-FLUSH_STATS = "SELECT pg_stat_force_next_flush(), (SELECT count(*) FROM workflow_runs)"
-
-
-def committed_transactions(admin: psycopg.Connection[Any], dbname: str) -> int:
-    """`pg_stat_database.xact_commit` of `dbname`, read afresh (no cached snapshot)."""
-    admin.execute("SELECT pg_stat_clear_snapshot()")
-    row = admin.execute(
-        "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.mark.direct(reason="counts the transactions of one server connection")

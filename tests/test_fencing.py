@@ -13,12 +13,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from typing import Any
 
-import attrs
 import psycopg
 import pytest
+from helpers import Inp, Out, Records, registry, snapshot
 
 import workflow
 from workflow import Status
@@ -26,71 +25,9 @@ from workflow import Status
 # --- helpers -------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Inp:
-    n: int
-
-
-@attrs.frozen
-class Out:
-    value: str
-
-
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
 C = workflow.Task("c", Out)
-
-
-class Records(logging.Handler):
-    """Collects records; `wait_for(text)` blocks until one contains `text`."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.NOTSET)
-        self.records: list[logging.LogRecord] = []
-        self._cond = threading.Condition()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._cond:
-            self.records.append(record)
-            self._cond.notify_all()
-
-    def wait_for(self, text: str, timeout: float = 20.0) -> logging.LogRecord:
-        with self._cond:
-            found: list[logging.LogRecord] = []
-
-            def seen() -> bool:
-                found[:] = [r for r in self.records if text in r.getMessage()]
-                return bool(found)
-
-            assert self._cond.wait_for(seen, timeout), f"no log record with {text!r}"
-            return found[0]
-
-
-@pytest.fixture
-def logs() -> Iterator[tuple[logging.Logger, Records]]:
-    logger = logging.getLogger(f"test.fencing.{uuid.uuid4().hex}")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    records = Records()
-    logger.addHandler(records)
-    yield logger, records
-    logger.removeHandler(records)
-
-
-def registry(*steps: workflow.Step[Inp]) -> tuple[workflow.Registry, Any]:
-    wf = workflow.Workflow("W", Inp)
-    reg = workflow.Registry()
-    reg.register(workflow.define(wf, *steps))
-    return reg, wf
-
-
-def snapshot(db: psycopg.Connection[Any], run_id: str) -> tuple[Any, list[Any]]:
-    """Every column of the run and of its tasks."""
-    run = db.execute("SELECT * FROM workflow_runs WHERE id = %s", (run_id,)).fetchone()
-    tasks = db.execute(
-        "SELECT * FROM workflow_tasks WHERE run_id = %s ORDER BY seq", (run_id,)
-    ).fetchall()
-    return run, tasks
 
 
 def steal(db: psycopg.Connection[Any], run_id: str) -> uuid.UUID:

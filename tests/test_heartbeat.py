@@ -11,12 +11,12 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import psycopg
 import pytest
+from helpers import Inp, Out, Records, poll, registry, snapshot
 from pgbouncer import runner_config
 
 import workflow
@@ -25,80 +25,8 @@ from workflow import Status
 # --- helpers -------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Inp:
-    n: int
-
-
-@attrs.frozen
-class Out:
-    value: str
-
-
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
-
-
-class Records(logging.Handler):
-    """Collects records; `wait_for(text)` blocks until one contains `text`."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.NOTSET)
-        self.records: list[logging.LogRecord] = []
-        self._cond = threading.Condition()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._cond:
-            self.records.append(record)
-            self._cond.notify_all()
-
-    def wait_for(self, text: str, timeout: float = 20.0) -> logging.LogRecord:
-        with self._cond:
-            found: list[logging.LogRecord] = []
-
-            def seen() -> bool:
-                found[:] = [r for r in self.records if text in r.getMessage()]
-                return bool(found)
-
-            assert self._cond.wait_for(seen, timeout), f"no log record with {text!r}"
-            return found[0]
-
-
-@pytest.fixture
-def logs() -> Iterator[tuple[logging.Logger, Records]]:
-    logger = logging.getLogger(f"test.heartbeat.{uuid.uuid4().hex}")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    records = Records()
-    logger.addHandler(records)
-    yield logger, records
-    logger.removeHandler(records)
-
-
-def registry(*steps: workflow.Step[Inp]) -> tuple[workflow.Registry, Any]:
-    wf = workflow.Workflow("W", Inp)
-    reg = workflow.Registry()
-    reg.register(workflow.define(wf, *steps))
-    return reg, wf
-
-
-def poll(
-    db: psycopg.Connection[Any],
-    sql: str,
-    params: Any = None,
-    *,
-    until: Callable[[Any], bool],
-    timeout: float = 20.0,
-) -> Any:
-    """Re-run `sql` until `until(row)` holds; the row. Fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        row = db.execute(sql, params).fetchone()
-        if until(row):
-            return row
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached; last row: {row!r}")
-        time.sleep(0.02)
 
 
 RUN_SQL = """
@@ -107,14 +35,6 @@ SELECT r.claim_id, r.heartbeat_at, now() - r.heartbeat_at, r.status, t.attempts,
 FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = 1
 WHERE r.id = %s
 """
-
-
-def snapshot(db: psycopg.Connection[Any], run_id: str) -> tuple[Any, list[Any]]:
-    run = db.execute("SELECT * FROM workflow_runs WHERE id = %s", (run_id,)).fetchone()
-    tasks = db.execute(
-        "SELECT * FROM workflow_tasks WHERE run_id = %s ORDER BY seq", (run_id,)
-    ).fetchall()
-    return run, tasks
 
 
 class Handler:

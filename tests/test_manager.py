@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import threading
-import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
@@ -20,6 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import Records, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -45,15 +45,6 @@ def registry(*steps: workflow.Step[int], wf: workflow.Workflow[int] = WF) -> wor
         steps = (workflow.handle(STEP_ONE, double), workflow.handle(STEP_TWO, noop))
     reg.register(workflow.define(wf, *steps))
     return reg
-
-
-def wait_until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
-    """Poll `predicate` until it holds; fail naming `what` after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
 
 
 def other_backends(db: psycopg.Connection[Any]) -> int:
@@ -385,21 +376,12 @@ def test_a_manager_built_in_the_forked_child_works(
 # Logging: the given logger (default "workflow"), every message prefixed.
 
 
-class ListHandler(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
 @pytest.fixture
-def handler_on() -> Iterator[Callable[[logging.Logger], ListHandler]]:
-    attached: list[tuple[logging.Logger, ListHandler, int]] = []
+def handler_on() -> Iterator[Callable[[logging.Logger], Records]]:
+    attached: list[tuple[logging.Logger, Records, int]] = []
 
-    def attach(logger: logging.Logger) -> ListHandler:
-        handler = ListHandler()
+    def attach(logger: logging.Logger) -> Records:
+        handler = Records(logging.DEBUG)
         attached.append((logger, handler, logger.level))
         logger.addHandler(handler)
         logger.setLevel(logging.DEBUG)
@@ -425,7 +407,7 @@ def failing_registry(attempts: list[int]) -> workflow.Registry:
 
 
 def test_default_logger_is_the_workflow_logger(
-    make_manager: Any, handler_on: Callable[[logging.Logger], ListHandler]
+    make_manager: Any, handler_on: Callable[[logging.Logger], Records]
 ) -> None:
     default = logging.getLogger("workflow")
     handler = handler_on(default)
@@ -441,7 +423,7 @@ def test_default_logger_is_the_workflow_logger(
 
 
 def test_given_logger_receives_every_message_prefixed_with_workflow(
-    make_manager: Any, handler_on: Callable[[logging.Logger], ListHandler]
+    make_manager: Any, handler_on: Callable[[logging.Logger], Records]
 ) -> None:
     mine = logging.getLogger(f"tests.manager.{uuid.uuid4().hex}")
     handler = handler_on(mine)
@@ -533,7 +515,7 @@ def test_close_cancels_and_waits_for_in_flight_executions(
 def test_close_with_a_timeout_returns_and_logs_when_a_handler_ignores_cancellation(
     make_manager: Any,
     db: psycopg.Connection[Any],
-    handler_on: Callable[[logging.Logger], ListHandler],
+    handler_on: Callable[[logging.Logger], Records],
 ) -> None:
     logger = logging.getLogger(f"tests.manager.{uuid.uuid4().hex}")
     handler = handler_on(logger)

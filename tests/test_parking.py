@@ -9,15 +9,14 @@ events that park a run logs at `workflow.ALERT` (60, "ALERT") with a
 from __future__ import annotations
 
 import logging
-import threading
 import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import attrs
 import psycopg
 import pytest
+from helpers import Records
 from pgbouncer import runner_config
 
 import workflow
@@ -42,34 +41,6 @@ B = workflow.Task("b", Out)
 
 class ProviderRejected(Exception):
     pass
-
-
-class Records(logging.Handler):
-    """Collects every record of one logger."""
-
-    def __init__(self) -> None:
-        super().__init__(level=logging.NOTSET)
-        self.records: list[logging.LogRecord] = []
-        self._lock = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._lock:
-            self.records.append(record)
-
-    def alerts(self) -> list[logging.LogRecord]:
-        with self._lock:
-            return [r for r in self.records if r.levelno >= workflow.ALERT]
-
-
-@pytest.fixture
-def logs() -> Iterator[tuple[logging.Logger, Records]]:
-    logger = logging.getLogger(f"test.parking.{uuid.uuid4().hex}")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    records = Records()
-    logger.addHandler(records)
-    yield logger, records
-    logger.removeHandler(records)
 
 
 def registry(*steps: workflow.Step[Inp], name: str = "W") -> tuple[workflow.Registry, Any]:

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import attrs
 import psycopg
 import pytest
+from helpers import Inp, Out, poll, registry
 from pgbouncer import runner_config
 
 import workflow
@@ -28,48 +28,12 @@ from workflow import Status
 # --- helpers -------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Inp:
-    n: int
-
-
-@attrs.frozen
-class Out:
-    value: str
-
-
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
 
 
 class Flaky(Exception):
     pass
-
-
-def registry(*steps: workflow.Step[Inp], name: str = "W") -> tuple[workflow.Registry, Any]:
-    wf = workflow.Workflow(name, Inp)
-    reg = workflow.Registry()
-    reg.register(workflow.define(wf, *steps))
-    return reg, wf
-
-
-def poll(
-    db: psycopg.Connection[Any],
-    sql: str,
-    params: Any = None,
-    *,
-    until: Callable[[Any], bool],
-    timeout: float = 20.0,
-) -> Any:
-    """Re-run `sql` until `until(row)` holds; the row. Fails after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        row = db.execute(sql, params).fetchone()
-        if until(row):
-            return row
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached; last row: {row!r}")
-        time.sleep(0.02)
 
 
 TASK_SQL = """

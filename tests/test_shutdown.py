@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
-import attrs
 import psycopg
 import pytest
+from helpers import Inp, Out, Records, poll, registry
 from pgbouncer import runner_config
 
 import workflow
@@ -26,70 +24,9 @@ from workflow import Status
 # --- helpers -------------------------------------------------------------------------
 
 
-@attrs.frozen
-class Inp:
-    n: int
-
-
-@attrs.frozen
-class Out:
-    value: str
-
-
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
 C = workflow.Task("c", Out)
-
-
-class Records(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(level=logging.NOTSET)
-        self.records: list[logging.LogRecord] = []
-        self._lock = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._lock:
-            self.records.append(record)
-
-    def messages(self) -> list[str]:
-        with self._lock:
-            return [r.getMessage() for r in self.records]
-
-
-@pytest.fixture
-def logs() -> Iterator[tuple[logging.Logger, Records]]:
-    logger = logging.getLogger(f"test.shutdown.{uuid.uuid4().hex}")
-    logger.setLevel(logging.DEBUG)
-    logger.propagate = False
-    records = Records()
-    logger.addHandler(records)
-    yield logger, records
-    logger.removeHandler(records)
-
-
-def registry(*steps: workflow.Step[Inp]) -> tuple[workflow.Registry, Any]:
-    wf = workflow.Workflow("W", Inp)
-    reg = workflow.Registry()
-    reg.register(workflow.define(wf, *steps))
-    return reg, wf
-
-
-def poll(
-    db: psycopg.Connection[Any],
-    sql: str,
-    params: Any = None,
-    *,
-    until: Callable[[Any], bool],
-    timeout: float = 20.0,
-) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        row = db.execute(sql, params).fetchone()
-        if until(row):
-            return row
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached; last row: {row!r}")
-        time.sleep(0.02)
 
 
 STATE_SQL = """

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import FLUSH_STATS, committed_transactions
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -156,19 +157,6 @@ def test_wait_on_a_run_finished_in_this_process_returns_when_it_finishes(
     # Already terminal: returns straight away, without executing anything again.
     assert run.wait() is workflow.Status.SUCCEEDED
     assert h.count("wait.one", BLOCK) == 1 and h.count("wait.two", BLOCK) == 1
-
-
-FLUSH_STATS = "SELECT pg_stat_force_next_flush(), (SELECT count(*) FROM workflow_runs)"
-
-
-def committed_transactions(admin: psycopg.Connection[Any], dbname: str) -> int:
-    """`pg_stat_database.xact_commit` of `dbname`, read afresh (no cached snapshot)."""
-    admin.execute("SELECT pg_stat_clear_snapshot()")
-    row = admin.execute(
-        "SELECT xact_commit FROM pg_stat_database WHERE datname = %s", (dbname,)
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.mark.direct(reason="counts the transactions of one server connection")

@@ -18,6 +18,7 @@ from typing import Any
 import pgbouncer
 import psycopg
 import pytest
+from helpers import poll
 from worker_apps import backoff, three_tasks
 from worker_apps.harness import WorkerProcess
 from worker_apps.ledger import CREATE_TABLE
@@ -78,27 +79,8 @@ def start_runs(
     return ids
 
 
-def wait_until(
-    db: psycopg.Connection[Any],
-    query: str,
-    params: Any = None,
-    *,
-    timeout: float,
-    what: str,
-) -> Any:
-    """Poll `query` until its first column is truthy; that row. AssertionError after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        row = db.execute(query, params).fetchone()
-        if row is not None and row[0]:
-            return row
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.05)
-
-
 def wait_status(db: psycopg.Connection[Any], run_id: str, status: str, timeout: float) -> None:
-    wait_until(
+    poll(
         db,
         "SELECT status = %s FROM workflow_runs WHERE id = %s",
         (status, run_id),
@@ -109,7 +91,7 @@ def wait_status(db: psycopg.Connection[Any], run_id: str, status: str, timeout: 
 
 def wait_listening(db: psycopg.Connection[Any], count: int, timeout: float = 30.0) -> None:
     """Until `count` sessions on the test database have LISTENed for wake-ups."""
-    wait_until(
+    poll(
         db,
         "SELECT count(*) >= %s FROM pg_stat_activity "
         "WHERE datname = current_database() AND query = 'LISTEN workflow_runs'",
@@ -164,7 +146,7 @@ def test_three_workers_drain_1000_start_tx_runs_each_task_exactly_once(
     )
     assert len(set(ids)) == 1000
 
-    wait_until(
+    poll(
         ledger,
         "SELECT count(*) = 1000 FROM workflow_runs WHERE status = 'succeeded'",
         timeout=90,
@@ -220,7 +202,7 @@ def test_a_run_whose_worker_was_killed_mid_task_is_finished_by_another_after_swe
     )
 
     # Wait until worker A is inside task 2, then kill it outright.
-    wait_until(
+    poll(
         ledger,
         "SELECT pid FROM ledger WHERE run_id = %s AND seq = 2",
         (run_id,),
@@ -268,7 +250,7 @@ def test_a_released_backoff_is_honoured_by_the_worker_that_resumes_it(
     [run_id] = start_runs(make_manager, backoff.registry(), backoff.Flaky, ["x"], pool)
 
     # A's attempt fails; the 6 s delay is above max_in_process_backoff: the claim is released.
-    row = wait_until(
+    row = poll(
         ledger,
         "SELECT r.claim_id IS NULL AND t.attempts = 1, t.failed_at, r.next_retry_at "
         "FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = 1 "
@@ -318,7 +300,7 @@ def test_sigterm_during_a_long_task_finishes_and_records_the_attempt_then_exits_
         [three_tasks.Plan(hold_seq=2, hold="finish", seconds=hold)],
         pool,
     )
-    wait_until(
+    poll(
         ledger,
         "SELECT pid FROM ledger WHERE run_id = %s AND seq = 2",
         (run_id,),
@@ -373,7 +355,7 @@ def test_sigterm_while_a_handler_honours_cancelled_spends_no_attempt(
         [three_tasks.Plan(hold_seq=2, hold="cancellable", seconds=60)],
         pool,
     )
-    wait_until(
+    poll(
         ledger,
         "SELECT pid FROM ledger WHERE run_id = %s AND seq = 2",
         (run_id,),
@@ -410,7 +392,7 @@ def test_a_second_signal_exits_at_once_without_draining(
         [three_tasks.Plan(hold_seq=1, hold="finish", seconds=60)],
         pool,
     )
-    wait_until(
+    poll(
         ledger,
         "SELECT pid FROM ledger WHERE run_id = %s AND seq = 1",
         (run_id,),
