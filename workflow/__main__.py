@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,11 +29,10 @@ from psycopg.conninfo import conninfo_to_dict
 
 from workflow.errors import WorkflowError
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, migrate, schema_version
+from workflow.store.connection import connect, normalize_url
 
 PROG = "python -m workflow"
 URL_ENV = "WORKFLOW_DATABASE_URL"
-CONNECT_TIMEOUT = 10
-"""Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
 
 
 class _UsageError(Exception):
@@ -69,16 +67,12 @@ def _database_url(args: argparse.Namespace) -> str:
 @contextmanager
 def _connect(url: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to `url`; `_Failure` when it cannot be opened."""
-    # Accept the SQLAlchemy/yoyo spelling too (postgresql+psycopg://).
-    url = re.sub(r"^postgres(?:ql)?\+psycopg2?://", "postgresql://", url)
     try:
-        params: dict[str, Any] = conninfo_to_dict(url)
+        conninfo_to_dict(normalize_url(url))
     except psycopg.Error as exc:
         raise _Failure(f"workflow: invalid database URL: {_one_line(exc)}") from None
-    if "connect_timeout" not in params and "PGCONNECT_TIMEOUT" not in os.environ:
-        params["connect_timeout"] = CONNECT_TIMEOUT
     try:
-        conn = psycopg.connect(**params, autocommit=True)
+        conn = connect(url)
     except psycopg.Error as exc:
         raise _Failure(f"workflow: cannot connect to the database: {_one_line(exc)}") from None
     with conn:

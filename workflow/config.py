@@ -110,6 +110,11 @@ class Settings:
         )
 
     @property
+    def pool_size(self) -> int:
+        """`max_size` of a pool built for this manager: room for the fast path, bounded."""
+        return max(4, min(self.max_local_runs, 16))
+
+    @property
     def heartbeat_interval(self) -> float:
         """How often live claims are heartbeated: well inside `sweep_max_age`."""
         return min(self.sweep_max_age / 4, 15.0)

@@ -46,6 +46,7 @@ from psycopg_pool import ConnectionPool
 import workflow
 from workflow import store
 from workflow.store import migrate, schema_version
+from workflow.store.connection import connect, normalize_url
 
 URL_ENV = "WORKFLOW_DATABASE_URL"
 WORKER_APP = "workflow.demo:registry"
@@ -179,22 +180,12 @@ class DemoError(Exception):
 # The database.
 
 
-def _normalise(url: str) -> str:
-    # Accept the SQLAlchemy/yoyo spelling too (postgresql+psycopg://).
-    return re.sub(r"^postgres(?:ql)?\+psycopg2?://", "postgresql://", url)
-
-
-def _connect(conninfo: str) -> psycopg.Connection[Any]:
-    params: dict[str, Any] = conninfo_to_dict(conninfo)
-    params.setdefault("connect_timeout", 10)
-    return psycopg.connect(**params, autocommit=True)
-
 
 @contextlib.contextmanager
 def _given_database(url: str) -> Iterator[tuple[str, str]]:
     """A scratch database on the server of `url` when allowed, else `url` itself."""
     try:
-        admin = _connect(url)
+        admin = connect(url)
     except psycopg.Error as exc:
         raise DemoError(f"cannot connect to ${URL_ENV}: {' '.join(str(exc).split())}") from None
     name = f"workflow_demo_{uuid.uuid4().hex[:8]}"
@@ -251,7 +242,7 @@ def _embedded_database() -> Iterator[tuple[str, str]]:
 
 
 def _database(url: str | None) -> contextlib.AbstractContextManager[tuple[str, str]]:
-    return _given_database(_normalise(url)) if url else _embedded_database()
+    return _given_database(normalize_url(url)) if url else _embedded_database()
 
 
 # The story.
@@ -392,7 +383,7 @@ def run_demo(database_url: str | None = None) -> int:
     try:
         with _database(url) as (conninfo, where):
             _print(f"database: {where}")
-            with _connect(conninfo) as conn:
+            with connect(conninfo) as conn:
                 applied = migrate(conn)
                 version = schema_version(conn)
             done = f"applied {', '.join(applied)}, now" if applied else "already"

@@ -96,7 +96,7 @@ class Manager:
             self._pool: ConnectionPool[Any] = ConnectionPool(
                 db,
                 min_size=1,
-                max_size=max(4, min(self._settings.max_local_runs, 16)),
+                max_size=self._settings.pool_size,
                 kwargs={"autocommit": True},
                 open=False,
                 name="workflow",
@@ -418,9 +418,14 @@ class Manager:
             status = Status(row.status)
             if status.terminal:
                 return status
-            # Never claim a run of a workflow this manager cannot execute: several
-            # services may share the tables.
-            if self._registry.definition(row.workflow) is not None and self._kick(key):
+            # Claim only a run that is claimable now (no round trip otherwise), and
+            # never one of a workflow this manager cannot execute: several services
+            # may share the tables.
+            if (
+                row.claimable
+                and self._registry.definition(row.workflow) is not None
+                and self._kick(key)
+            ):
                 continue
             remaining = left()
             if remaining is not None and remaining <= 0:

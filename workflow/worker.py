@@ -48,11 +48,10 @@ from workflow.errors import WorkflowError
 from workflow.logs import ALERT
 from workflow.manager import Manager
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
+from workflow.store.connection import connect, normalize_url
 
 PROG = "python -m workflow.worker"
 URL_ENV = "WORKFLOW_DATABASE_URL"
-CONNECT_TIMEOUT = 10
-"""Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 LOG_LEVELS = {
@@ -293,8 +292,7 @@ def _database_url(args: argparse.Namespace) -> str:
     url: str | None = args.database_url or os.environ.get(URL_ENV)
     if not url:
         raise _UsageError(f"{PROG}: no database URL: pass --database-url URL or set ${URL_ENV}")
-    # Accept the SQLAlchemy/yoyo spelling too (postgresql+psycopg://).
-    return re.sub(r"^postgres(?:ql)?\+psycopg2?://", "postgresql://", url)
+    return normalize_url(url)
 
 
 def _check_database(url: str) -> None:
@@ -304,13 +302,11 @@ def _check_database(url: str) -> None:
     timeout; one plain connection fails at once with the server's own reason.
     """
     try:
-        params: dict[str, Any] = conninfo_to_dict(url)
+        conninfo_to_dict(url)
     except psycopg.Error as exc:
         raise _Failure(f"workflow: invalid database URL: {_one_line(exc)}") from None
-    if "connect_timeout" not in params and "PGCONNECT_TIMEOUT" not in os.environ:
-        params["connect_timeout"] = CONNECT_TIMEOUT
     try:
-        with psycopg.connect(**params, autocommit=True) as conn:
+        with connect(url) as conn:
             found = schema_version(conn)
     except psycopg.Error as exc:
         raise _Failure(f"workflow: cannot connect to the database: {_one_line(exc)}") from None
@@ -331,7 +327,7 @@ def _pool(url: str, config: Config, listen: bool) -> ConnectionPool[Any]:
     return ConnectionPool(
         url,
         min_size=1,
-        max_size=max(4, min(Settings.of(config).max_local_runs, 16)),
+        max_size=Settings.of(config).pool_size,
         kwargs=kwargs,
         open=False,
         name="workflow",

@@ -57,8 +57,7 @@ def _close_at_exit(ref: weakref.ref[ProcessManager]) -> None:
 
 def pool_size(config: Config | None) -> int:
     """A pool size for a manager's fast path, like the one `Manager(url, ...)` builds."""
-    local_runs = Settings.of(config if config is not None else Config()).max_local_runs
-    return max(4, min(local_runs, 16))
+    return Settings.of(config if config is not None else Config()).pool_size
 
 
 class ProcessManager:

@@ -120,6 +120,7 @@ class RunRow:
     error: str | None
     error_code: str | None
     attempts: int | None
+    claimable: bool
 
 
 def _execute(

@@ -25,6 +25,7 @@ from yoyo.connections import parse_uri
 
 import workflow_migrations
 from workflow.errors import WorkflowError
+from workflow.store.connection import connect
 
 SCHEMA_VERSION = 2
 """The number of the newest migration in the chain this code was built with."""
@@ -91,11 +92,6 @@ class _Backend(PostgresqlPsycopgBackend):  # type: ignore[misc]
                 self.mark_one(migration, log=False)
 
 
-def _connect(url: str) -> psycopg.Connection[Any]:
-    url = re.sub(r"^postgres(ql)?\+psycopg2?://", "postgresql://", url)
-    return psycopg.connect(url, autocommit=True)
-
-
 def migrate(url_or_conn: str | psycopg.Connection[Any]) -> list[str]:
     """Apply every migration of the chain not yet applied; return their ids.
 
@@ -106,7 +102,7 @@ def migrate(url_or_conn: str | psycopg.Connection[Any]) -> list[str]:
     transaction, and psycopg's errors for an unreachable database.
     """
     if isinstance(url_or_conn, str):
-        with _connect(url_or_conn) as conn:
+        with connect(url_or_conn) as conn:
             return _migrate(conn)
     conn = url_or_conn
     if conn.info.transaction_status != pq.TransactionStatus.IDLE:
@@ -142,7 +138,7 @@ def _migrate(conn: psycopg.Connection[Any]) -> list[str]:
 def schema_version(url_or_conn: str | psycopg.Connection[Any]) -> int:
     """The highest migration number the bookkeeping records as applied; 0 when none."""
     if isinstance(url_or_conn, str):
-        with _connect(url_or_conn) as conn:
+        with connect(url_or_conn) as conn:
             return schema_version(conn)
     cur = url_or_conn.cursor(row_factory=tuple_row)
     row = cur.execute("SELECT to_regclass(%s) IS NOT NULL", (MIGRATION_TABLE,)).fetchone()

@@ -162,8 +162,9 @@ SELECT run.id, pg_notify('workflow_runs', run.workflow) FROM run;
 
 
 -- name: run_status
--- A run's status, times, and the task it is on (for Failure).
-SELECT r.workflow, r.status, r.created_at, r.finished_at, t.name, t.error, t.error_code, t.attempts
+-- A run's status, times, the task it is on (for Failure), and whether it is claimable now.
+SELECT r.workflow, r.status, r.created_at, r.finished_at, t.name, t.error, t.error_code, t.attempts,
+       r.claim_id IS NULL AND r.finished_at IS NULL AND r.next_retry_at <= now()
 FROM workflow_runs r
 LEFT JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = r.current_seq
 WHERE r.id = %(id)s;
