@@ -134,7 +134,10 @@ class Engine:
         while True:
             try:
                 with psycopg.connect(self.url) as conn, conn.transaction():
-                    self.started.append(Faults.start_tx(conn, self.mgr, n).id)
+                    run = Faults.start_tx(conn, self.mgr, n)
+                # Only a committed transaction started a run: the commit itself may
+                # be what the restart cut.
+                self.started.append(run.id)
                 return
             except psycopg.OperationalError:
                 if time.monotonic() > deadline:
