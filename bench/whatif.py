@@ -160,17 +160,18 @@ def patch_steal() -> None:
             self._bench_pending.pop(job.run.id, None)
             self._execute_in_slot(job)
 
-    def _wait(self: Any, run_id: str, timeout: Any) -> Any:
+    def _wait(self: Any, run_id: str, timeout: Any, key: Any = None) -> Any:
         pending = self.__dict__.get("_bench_pending")
         if pending:
-            try:
-                key = manager_mod._parse_id(run_id)
-            except Exception:
-                key = None
+            if key is None:
+                try:
+                    key = manager_mod._parse_id(run_id)
+                except Exception:
+                    key = None
             token = pending.pop(key, None) if key is not None else None
             if token is not None and token[1].acquire(blocking=False):
                 self._execute_in_slot(token[0])
-        return orig_wait(self, run_id, timeout)
+        return orig_wait(self, run_id, timeout, key)
 
     Manager._launch = _launch  # type: ignore[method-assign]
     Manager._wait = _wait  # type: ignore[method-assign]

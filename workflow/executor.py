@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NoReturn
 
 import attrs
@@ -58,6 +58,8 @@ class Engine:
     propagation: Propagation[Any] | None
     draining: threading.Event
     finished: Callable[[uuid.UUID, Status | None], None]
+    steps: Mapping[str, Mapping[str, Step[Any]]]
+    """Per registered workflow name: its steps by task name."""
 
 
 @attrs.frozen
@@ -117,10 +119,7 @@ class _Execution:
         self.lease = lease
         self.run_id = str(job.run.id)
         self.extra = {"run_id": self.run_id}
-        definition = engine.registry.definition(job.run.workflow)
-        self.steps: dict[str, Step[Any]] = (
-            {step.task.name: step for step in definition.steps} if definition else {}
-        )
+        self.steps = engine.steps.get(job.run.workflow, {})
         self.tasks = list(job.run.tasks)
         self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
         self.decoded: dict[str, Any] = {}

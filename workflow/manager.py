@@ -17,7 +17,7 @@ from psycopg_pool import ConnectionPool
 
 from workflow import codec
 from workflow.config import Config, RunnerConfig, Settings
-from workflow.definition import Registry, Workflow
+from workflow.definition import Definition, Registry, Workflow
 from workflow.durations import Duration, seconds
 from workflow.errors import ConfigError, DecodeError, RunNotFound, WorkflowError
 from workflow.executor import Engine, Job, execute
@@ -44,13 +44,68 @@ _RECENT = 4096
 
 
 class _Completion:
-    """How a local execution of a run ended: set `event`, then read `status`."""
+    """How a local execution of a run ended: `wait()` for `set()`, then read `status`.
 
-    __slots__ = ("event", "status")
+    A bare lock rather than a `threading.Event`: set once, waited on by the
+    (usually one) caller of `run.wait()`, on the hot path of every local run.
+    """
+
+    __slots__ = ("_lock", "done", "status")
 
     def __init__(self) -> None:
-        self.event = threading.Event()
+        self._lock = threading.Lock()
+        self._lock.acquire()
+        self.done = False
         self.status: Status | None = None
+
+    def set(self) -> None:
+        """Mark the execution ended and wake every waiter (call once)."""
+        self.done = True
+        self._lock.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until `set()` or `timeout` seconds; True once it was set."""
+        if self.done:
+            return True
+        if self._lock.acquire(timeout=timeout):
+            self._lock.release()  # pass the wake on to the next waiter
+            return True
+        return self.done
+
+
+def _array_literal(values: list[str]) -> str:
+    """A PostgreSQL array literal of `values`, sent as one text parameter."""
+    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
+    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
+
+
+class _Shape:
+    """What every start of one workflow shares, computed once per manager."""
+
+    __slots__ = ("definition", "names", "no_skips", "skips", "tasks")
+
+    def __init__(self, definition: Definition[Any]) -> None:
+        steps = definition.steps
+        self.definition = definition
+        self.skips = any(step.skip is not None for step in steps)
+        self.names = _array_literal([step.task.name for step in steps])
+        self.no_skips = "{" + ",".join("f" for _ in steps) + "}"
+        self.tasks = self.snapshot([False] * len(steps))
+
+    def snapshot(self, skipped: list[bool]) -> tuple[TaskRow, ...]:
+        """The task rows of a run just inserted with these skips."""
+        return tuple(
+            TaskRow(
+                seq=i + 1,
+                name=step.task.name,
+                skipped=skipped[i],
+                attempts=0,
+                has_output=False,
+                output=None,
+                failed_at=None,
+            )
+            for i, step in enumerate(self.definition.steps)
+        )
 
 
 def _parse_id(run_id: str) -> uuid.UUID:
@@ -92,6 +147,11 @@ class Manager:
         self._closed = False
         registry.freeze()
         self._check_timeouts()
+        self._shapes: dict[str, _Shape] = {}
+        for name in registry.names():
+            definition = registry.definition(name)
+            assert definition is not None
+            self._shapes[name] = _Shape(definition)
         if isinstance(db, str):
             self._pool: ConnectionPool[Any] = ConnectionPool(
                 db,
@@ -111,7 +171,7 @@ class Manager:
                 "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
                 f"not {type(db).__name__}"
             )
-        self._store = Store(self._pool, self._logger)
+        self._store = Store(self._pool, self._logger, keep_warm=self._owns_pool)
         try:
             self._store.check_schema()
         except BaseException:
@@ -119,12 +179,14 @@ class Manager:
                 self._pool.close()
             raise
         self._draining = threading.Event()
-        self._slots = threading.BoundedSemaphore(self._settings.max_local_runs)
         self._threads = ThreadPoolExecutor(
             max_workers=self._settings.max_local_runs, thread_name_prefix="workflow-run"
         )
+        # Fast-path executions in flight, at most max_local_runs; a plain lock on the
+        # hot path, a Condition on it only for close() to wait for zero.
         self._in_flight = 0
-        self._in_flight_lock = threading.Condition()
+        self._in_flight_lock = threading.Lock()
+        self._all_done = threading.Condition(self._in_flight_lock)
         self._runnables: weakref.WeakSet[Runnable] = weakref.WeakSet()
         # Local executions and how recent ones ended, so wait() on a run executed
         # here costs no query; waiters on runs executed elsewhere poll.
@@ -145,6 +207,10 @@ class Manager:
             propagation=self._config.context,
             draining=self._draining,
             finished=self._finished,
+            steps={
+                name: {step.task.name: step for step in shape.definition.steps}
+                for name, shape in self._shapes.items()
+            },
         )
         self._heartbeat.start()
         _managers.add(self)
@@ -199,8 +265,8 @@ class Manager:
         conn: psycopg.Connection[Any] | None = None,
     ) -> Run:
         self._check_usable()
-        definition = self._registry.definition(wf.name)
-        if definition is None:
+        shape = self._shapes.get(wf.name)
+        if shape is None:
             raise WorkflowError(
                 f"workflow {wf.name!r} is not registered with this manager; register it "
                 "before building the Manager"
@@ -232,9 +298,14 @@ class Manager:
             existing = self._store.find_idempotent_run(conn, wf.name, idempotency_key)
             if existing is not None:
                 return Run(self, str(existing))
-        skipped = [bool(step.skip(input)) if step.skip else False for step in definition.steps]
-        current = next((i + 1 for i, s in enumerate(skipped) if not s), len(skipped) + 1)
-        all_skipped = current > len(skipped)
+        steps = shape.definition.steps
+        if shape.skips:
+            skipped = [bool(step.skip(input)) if step.skip else False for step in steps]
+            current = next((i + 1 for i, s in enumerate(skipped) if not s), len(steps) + 1)
+            skipped_literal = "{" + ",".join("t" if s else "f" for s in skipped) + "}"
+        else:
+            skipped, current, skipped_literal = None, 1, shape.no_skips
+        all_skipped = current > len(steps)
         fast = conn is None and not all_skipped and self._try_slot()
         claim_id = uuid.uuid4() if fast else None
         params = {
@@ -246,11 +317,11 @@ class Manager:
             "input_sealed": input_sealed,
             "context": context_plain,
             "context_sealed": context_sealed,
-            "task_count": len(skipped),
+            "task_count": len(steps),
             "current_seq": current,
             "claim_id": claim_id,
-            "names": [step.task.name for step in definition.steps],
-            "skipped": skipped,
+            "names": shape.names,
+            "skipped": skipped_literal,
             "wake": not fast and not all_skipped,
         }
         try:
@@ -272,18 +343,6 @@ class Manager:
             return Run(self, str(existing))
         if fast:
             assert claim_id is not None
-            tasks = tuple(
-                TaskRow(
-                    seq=i + 1,
-                    name=step.task.name,
-                    skipped=skipped[i],
-                    attempts=0,
-                    has_output=False,
-                    output=None,
-                    failed_at=None,
-                )
-                for i, step in enumerate(definition.steps)
-            )
             claimed = ClaimedRun(
                 id=run_id,
                 workflow=wf.name,
@@ -294,27 +353,27 @@ class Manager:
                 context_sealed=context_sealed,
                 current_seq=current,
                 db_now=None,
-                tasks=tasks,
+                tasks=shape.tasks if skipped is None else shape.snapshot(skipped),
             )
             self._launch(Job(run=claimed, input=stored_input))
-        return Run(self, str(run_id))
+        return Run(self, str(run_id), run_id)
 
     # Fast-path executions.
 
     def _try_slot(self) -> bool:
         if self._draining.is_set() or self._forked:
             return False
-        if not self._slots.acquire(blocking=False):
-            return False
         with self._in_flight_lock:
+            if self._in_flight >= self._settings.max_local_runs:
+                return False
             self._in_flight += 1
         return True
 
     def _release_slot(self) -> None:
-        self._slots.release()
         with self._in_flight_lock:
             self._in_flight -= 1
-            self._in_flight_lock.notify_all()
+            if self._in_flight == 0:
+                self._all_done.notify_all()
 
     def _launch(self, job: Job) -> None:
         """Execute `job` on the fast-path pool; the caller holds a slot."""
@@ -347,7 +406,7 @@ class Manager:
                     self._recent.popitem(last=False)
             waiter = self._waiters.get(run_id)
         if completion is not None:
-            completion.event.set()
+            completion.set()
         if waiter is not None:
             waiter.set()
 
@@ -384,27 +443,27 @@ class Manager:
             status=status, failure=failure, created_at=row.created_at, finished_at=row.finished_at
         )
 
-    def _wait(self, run_id: str, timeout: Duration | None) -> Status:
+    def _wait(
+        self, run_id: str, timeout: Duration | None, key: uuid.UUID | None = None
+    ) -> Status:
         self._check_usable()
-        key = _parse_id(run_id)
+        if key is None:
+            key = _parse_id(run_id)
         deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
-        with self._completion_lock:
-            waiter = self._waiters.get(key)
-            if waiter is None:
-                waiter = self._waiters[key] = threading.Event()
+        waiter: threading.Event | None = None
         while True:
             with self._completion_lock:
                 local = self._local.get(key) or self._recent.get(key)
-            if local is not None and not local.event.is_set():
+            if local is not None and not local.done:
                 # Executing here: its end wakes us at once. Still read the database
                 # every second: a hung local attempt may have been swept and the
                 # run finished by another executor.
                 remaining = left()
-                if local.event.wait(1.0 if remaining is None else min(1.0, remaining)):
+                if local.wait(1.0 if remaining is None else min(1.0, remaining)):
                     continue
                 status = self._status(run_id).status
                 if status.terminal:
@@ -414,6 +473,13 @@ class Manager:
                 continue
             if local is not None and local.status is not None:
                 return local.status
+            if waiter is None:
+                # Registered before the status read, so an end here after it wakes us.
+                with self._completion_lock:
+                    waiter = self._waiters.get(key)
+                    if waiter is None:
+                        waiter = self._waiters[key] = threading.Event()
+                continue
             row = self._status_row(run_id)
             status = Status(row.status)
             if status.terminal:
@@ -479,12 +545,12 @@ class Manager:
         for lease in self._heartbeat.leases():
             lease.cancel(SHUTDOWN)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._in_flight_lock:
+        with self._all_done:
             while self._in_flight > 0:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
-                self._in_flight_lock.wait(left)
+                self._all_done.wait(left)
         # Executions claimed by this manager's workers are in flight too.
         for runnable in list(self._runnables):
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -517,6 +583,7 @@ class Manager:
         self._closed = True
         self._threads.shutdown(wait=False)
         self._heartbeat.stop()
+        self._store.close()
         if self._owns_pool and not self._forked:
             self._pool.close()
 

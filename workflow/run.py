@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import enum
+import uuid
 from typing import TYPE_CHECKING
 
 import attrs
@@ -64,9 +65,10 @@ class RunStatus:
 class Run:
     """A handle on one run, by id. Cheap to build; every method reads the database."""
 
-    def __init__(self, manager: Manager, run_id: str) -> None:
+    def __init__(self, manager: Manager, run_id: str, key: uuid.UUID | None = None) -> None:
         self._manager = manager
         self._id = run_id
+        self._key = key  # the parsed id, when the manager already has it
 
     @property
     def id(self) -> str:
@@ -90,7 +92,7 @@ class Run:
         elsewhere is seen within about a second. A run that is claimable now and
         unclaimed is claimed and executed here, on the fast path, when there is room.
         """
-        return self._manager._wait(self._id, timeout)
+        return self._manager._wait(self._id, timeout, self._key)
 
     def status(self) -> RunStatus:
         """Read the run's status, failure and times (one query)."""

@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from importlib import resources
 from typing import Any
 
@@ -130,6 +130,20 @@ def _execute(
     return conn.cursor(row_factory=tuple_row).execute(_Q[name], params).fetchall()
 
 
+@contextmanager
+def _autocommit(conn: psycopg.Connection[Any]) -> Iterator[None]:
+    """Autocommit on `conn` for the block, restored after when no transaction is open."""
+    if conn.autocommit:
+        yield
+        return
+    conn.autocommit = True
+    try:
+        yield
+    finally:
+        if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+            conn.autocommit = False
+
+
 def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     runs: list[ClaimedRun] = []
     tasks: list[TaskRow] = []
@@ -154,12 +168,52 @@ def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     return runs
 
 
-class Store:
-    """Runs the named statements of `queries.sql` on a connection pool."""
+_Warm = tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float, float]
 
-    def __init__(self, pool: ConnectionPool[Any], logger: logging.Logger | None = None) -> None:
+WARM_IDLE = 30.0
+"""Seconds a warm connection may go unused before it returns to the pool."""
+
+WARM_FOR = 300.0
+"""Seconds a connection may stay out of the pool in all, so the pool's own
+lifetime and idle limits still apply to it."""
+
+
+class Store:
+    """Runs the named statements of `queries.sql` on a connection pool.
+
+    With `keep_warm=True` (for a pool the Manager built and nothing else uses) a
+    connection just used is kept, with its cursor, in a last-in-first-out stack
+    in front of the pool rather than returned to it: the next statement reuses
+    the most recently used backend, with no pool bookkeeping, where the pool
+    would hand out the least recently used one. A warm connection goes back to
+    the pool after `WARM_IDLE` seconds unused or `WARM_FOR` seconds out, after
+    any error, and at `close()`.
+    """
+
+    def __init__(
+        self,
+        pool: ConnectionPool[Any],
+        logger: logging.Logger | None = None,
+        *,
+        keep_warm: bool = False,
+    ) -> None:
         self._pool = pool
         self._logger = logger or logging.getLogger("workflow")
+        self._keep_warm = keep_warm
+        # Most recently used last: a connection, a cursor on it to reuse, when it
+        # was taken from the pool, when it was last given back.
+        self._warm: list[_Warm] = []
+        self._closed = False
+
+    def close(self) -> None:
+        """Return the warm connections to the pool; later ones go straight back."""
+        self._closed = True
+        while self._warm:
+            try:
+                conn = self._warm.pop()[0]
+            except IndexError:
+                break
+            self._pool.putconn(conn)
 
     @contextmanager
     def _conn(self) -> Iterator[psycopg.Connection[Any]]:
@@ -167,17 +221,56 @@ class Store:
         # call even in autocommit mode, a cost on every statement of the hot path.
         conn = self._pool.getconn()
         try:
-            if conn.autocommit:
+            with _autocommit(conn):
                 yield conn
-                return
-            conn.autocommit = True
-            try:
-                yield conn
-            finally:
-                if conn.info.transaction_status == pq.TransactionStatus.IDLE:
-                    conn.autocommit = False
         finally:
             self._pool.putconn(conn)
+
+    def _take(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any] | None, float]:
+        """The last warm connection (with its cursor), or one from the pool.
+
+        Also returns when the connection left the pool.
+        """
+        if self._warm:
+            try:
+                conn, cursor, taken_at, _ = self._warm.pop()
+            except IndexError:  # another thread took the last one
+                pass
+            else:
+                return conn, cursor, taken_at
+        return self._pool.getconn(), None, time.monotonic()
+
+    def _give_back(
+        self,
+        conn: psycopg.Connection[Any],
+        cursor: psycopg.Cursor[Any] | None,
+        taken_at: float,
+    ) -> None:
+        """Keep `conn` (with `cursor`) warm after a clean statement, else return it to the pool.
+
+        `cursor` is None when the statement failed or left the connection unfit.
+        No lock: list appends and pops are atomic, and a connection kept while
+        `close()` runs is taken back out by whichever of the two gets to it.
+        """
+        if cursor is not None and self._keep_warm:
+            now = time.monotonic()
+            if now - taken_at < WARM_FOR:
+                entry = (conn, cursor, taken_at, now)
+                warm = self._warm
+                warm.append(entry)
+                if self._closed:
+                    with suppress(ValueError):
+                        warm.remove(entry)
+                        self._pool.putconn(conn)
+                    return
+                try:
+                    if now - warm[0][3] < WARM_IDLE:
+                        return
+                    # The least recently used one went unused too long.
+                    conn = warm.pop(0)[0]
+                except IndexError:
+                    return
+        self._pool.putconn(conn)
 
     def _run(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         """Run one statement in its own transaction, riding out connection failures.
@@ -191,8 +284,21 @@ class Store:
         failures = 0
         while True:
             try:
-                with self._conn() as conn:
-                    return _execute(conn, name, params)
+                conn, cursor, taken_at = self._take()
+                reuse = None
+                try:
+                    if cursor is None:
+                        cursor = conn.cursor(row_factory=tuple_row)
+                    if conn.autocommit:  # always, on a pool the Manager built
+                        rows = cursor.execute(_Q[name], params).fetchall()
+                    else:
+                        with _autocommit(conn):
+                            rows = cursor.execute(_Q[name], params).fetchall()
+                    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                        reuse = cursor
+                    return rows
+                finally:
+                    self._give_back(conn, reuse, taken_at)
             except Exception as e:
                 if not _connection_lost(e):
                     raise
