@@ -147,7 +147,7 @@ def patch_steal() -> None:
         token = (job, threading.Lock())
         pending[job.run.id] = token
         try:
-            self._threads.submit(_take, self, token)
+            self._threads.submit(lambda t: _take(self, t), token)
         except RuntimeError:
             pending.pop(job.run.id, None)
             self._release_slot()

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import psycopg
@@ -23,6 +22,7 @@ from workflow.errors import ConfigError, DecodeError, RunNotFound, WorkflowError
 from workflow.executor import Engine, Job, execute
 from workflow.heartbeat import SHUTDOWN, Heartbeat
 from workflow.run import Failure, Run, RunStatus, Status
+from workflow.runthreads import RunThreads
 from workflow.sealing import open_document, seal_document
 from workflow.store import ClaimedRun, Store, TaskRow, in_transaction
 
@@ -179,9 +179,7 @@ class Manager:
                 self._pool.close()
             raise
         self._draining = threading.Event()
-        self._threads = ThreadPoolExecutor(
-            max_workers=self._settings.max_local_runs, thread_name_prefix="workflow-run"
-        )
+        self._threads = RunThreads(self._settings.max_local_runs, "workflow-run", self._logger)
         # Fast-path executions in flight, at most max_local_runs; a plain lock on the
         # hot path, a Condition on it only for close() to wait for zero.
         self._in_flight = 0

@@ -1,0 +1,102 @@
+"""The fast path's thread pool: a few threads taking jobs from one queue.
+
+`concurrent.futures.ThreadPoolExecutor` does more per job than the fast path
+needs: a `Future` with its `Condition`, and a Python-level semaphore taken on
+submit and released after every job, both contended when many web threads start
+runs at once. Here a submit is one short lock and one queue put, and a thread
+back from a job takes one short lock.
+
+Exit keeps the executor's promise: at interpreter exit (and at `shutdown()`)
+every thread gets a stop marker behind the jobs already queued, and exit waits
+for the threads, so executions in flight finish rather than being cut off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+_live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
+
+
+class RunThreads:
+    """Up to `size` threads, started on demand, running submitted calls in order."""
+
+    def __init__(self, size: int, name: str, logger: logging.Logger) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = (
+            queue.SimpleQueue()
+        )
+        self._size = size
+        self._name = name
+        self._logger = logger
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads back from a job and not yet handed another
+        self._lock = threading.Lock()
+        self._closed = False
+        _live.add(self)
+
+    def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
+        """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the fast path's threads are shut down")
+            if self._idle > 0:
+                self._idle -= 1
+                thread = None
+            elif len(self._threads) < self._size:
+                thread = threading.Thread(
+                    target=self._serve,
+                    name=f"{self._name}_{len(self._threads)}",
+                    daemon=True,
+                )
+                self._threads.append(thread)
+            else:
+                thread = None  # all busy: the next one back takes it
+        self._queue.put((fn, arg))
+        if thread is not None:
+            thread.start()
+
+    def _serve(self) -> None:
+        get = self._queue.get
+        while True:
+            item = get()
+            if item is None:
+                return
+            fn, arg = item
+            try:
+                fn(arg)
+            except BaseException:
+                self._logger.exception("workflow: a fast-path thread's job raised")
+            del item, fn, arg
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self, wait: bool = False, timeout: float | None = None) -> None:
+        """Refuse new jobs; each thread stops after the jobs already queued.
+
+        With `wait`, block until the threads have stopped (up to `timeout` each).
+        """
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:
+                    self._queue.put(None)
+            threads = list(self._threads)
+        if wait:
+            current = threading.current_thread()
+            for thread in threads:
+                if thread is not current and thread.is_alive():
+                    thread.join(timeout)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # The threads are daemons, so they do not hold the interpreter open by
+    # themselves; atexit runs while they still can, and waits for their jobs.
+    for threads in list(_live):
+        threads.shutdown(wait=True)
