@@ -1,138 +1,29 @@
-"""What-if: measure proposed engine changes without touching the engine.
+"""What-if: measure a proposed engine change without touching the engine.
 
-Applies monkeypatches *in this process only* that mimic changes proposed in
-bench/README.md's notes, then runs the paired null/engine comparison
-(`bench.engine paired`) with them. Nothing under workflow/ is modified.
+Applies a monkeypatch *in this process only*, then runs the paired null/engine
+comparison (`bench.engine paired`) with it, or (`--cpu`) sequential runs from one
+thread, printing client CPU and wall time per run. Nothing under workflow/ is
+modified.
 
-    python -m bench.whatif --patch store,lease,steal --tasks 3 --threads 8 --slices 5
-    python -m bench.whatif --patch steal --cpu
+    python -m bench.whatif --patch steal --tasks 3 --threads 8 --slices 5
+    python -m bench.whatif --patch none --cpu
 
-Patches:
-  store     Store._run: getconn()/putconn() in try/finally instead of
-            `pool.connection()` (whose `with conn:` calls commit()) plus the
-            `_conn()` autocommit dance; retry deadline computed only on failure.
-            Falls back to the original path when the connection is not in
-            autocommit mode.
-  lease     Lease.begin_attempt reuses its `cancelled` Event while it is not set,
-            instead of allocating a new Event (Condition + Lock) per attempt.
-  executor  the manager's ThreadPoolExecutor replaced by N threads pulling from a
-            queue.SimpleQueue (no Future, no _WorkItem, no idle semaphore).
+Patches (the earlier store, lease and executor patches are now in the engine):
   steal     `wait()` on a run launched here that no pool thread has started yet
             executes it inline on the waiting thread (the pool thread that wakes
-            for it finds it taken and goes back to sleep).
+            for it finds it taken and goes back to sleep). Not adopted: handlers
+            would run on the caller's thread (its thread-locals, its signals,
+            past a `wait(timeout)`), and the pool thread is woken all the same.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import queue
 import sys
 import threading
 from typing import Any
 
-import workflow.heartbeat as heartbeat_mod
 import workflow.manager as manager_mod
-import workflow.store as store_mod
-
-
-def patch_store() -> None:
-    Store = store_mod.Store
-    orig_run = Store._run
-    Q = store_mod._Q
-    execute = getattr(store_mod, "_execute", None)
-
-    def _run(self: Any, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
-        pool = self._pool
-        try:
-            conn = pool.getconn()
-        except Exception:
-            return orig_run(self, name, params)
-        if not conn.autocommit:
-            pool.putconn(conn)
-            return orig_run(self, name, params)
-        try:
-            if execute is not None:
-                return execute(conn, name, params)
-            return conn.execute(Q[name], params).fetchall()
-        except Exception:
-            pool.putconn(conn)
-            conn = None
-            return orig_run(self, name, params)  # the original retries what it should
-        finally:
-            if conn is not None:
-                pool.putconn(conn)
-
-    Store._run = _run  # type: ignore[method-assign]
-
-
-def patch_lease() -> None:
-    Lease = heartbeat_mod.Lease
-
-    def begin_attempt(self: Any, deadline: float) -> threading.Event:
-        with self._lock:
-            if self.reason in (heartbeat_mod.LOST, heartbeat_mod.SHUTDOWN):
-                event = self.cancelled
-            else:
-                self.reason = None
-                if self.cancelled.is_set():
-                    self.cancelled = threading.Event()
-                event = self.cancelled
-            self.deadline = deadline
-        return event
-
-    Lease.begin_attempt = begin_attempt  # type: ignore[method-assign]
-
-
-class _SimpleExecutor:
-    """submit(fn, *args) onto N daemon threads fed by a SimpleQueue."""
-
-    def __init__(self, max_workers: int, thread_name_prefix: str = "") -> None:
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._threads: list[threading.Thread] = []
-        self._max = max_workers
-        self._idle = 0
-        self._lock = threading.Lock()
-        self._shutdown = False
-        self._prefix = thread_name_prefix
-
-    def _loop(self) -> None:
-        get = self._q.get
-        while True:
-            item = get()
-            if item is None:
-                return
-            with self._lock:
-                self._idle -= 1
-            fn, args = item
-            with contextlib.suppress(BaseException):
-                fn(*args)
-            with self._lock:
-                self._idle += 1
-
-    def submit(self, fn: Any, *args: Any) -> None:
-        if self._shutdown:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-        with self._lock:
-            grow = self._idle == 0 and len(self._threads) < self._max
-            if grow:
-                self._idle += 1
-        if grow:
-            t = threading.Thread(
-                target=self._loop, daemon=True, name=f"{self._prefix}_{len(self._threads)}"
-            )
-            self._threads.append(t)
-            t.start()
-        self._q.put((fn, args))
-
-    def shutdown(self, wait: bool = True, **kw: Any) -> None:
-        self._shutdown = True
-        for _ in self._threads:
-            self._q.put(None)
-
-
-def patch_executor() -> None:
-    manager_mod.ThreadPoolExecutor = _SimpleExecutor  # type: ignore[attr-defined,misc]
 
 
 def patch_steal() -> None:
@@ -178,9 +69,6 @@ def patch_steal() -> None:
 
 
 PATCHES = {
-    "store": patch_store,
-    "lease": patch_lease,
-    "executor": patch_executor,
     "steal": patch_steal,
 }
 
@@ -218,7 +106,7 @@ def main() -> None:
     )
     p.add_argument(
         "--patch",
-        default="store,lease,steal",
+        default="steal",
         help="comma-separated: " + ", ".join(PATCHES) + " (or 'none')",
     )
     p.add_argument(

@@ -138,6 +138,20 @@ def test_a_connection_unused_for_warm_idle_goes_back(
     store.close()
 
 
+def test_tidy_returns_the_connections_unused_for_warm_idle(
+    fixed_pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_mod, "WARM_IDLE", 0.2)
+    store = Store(fixed_pool, keep_warm=True)
+    read(store)
+    store.tidy()  # used just now: stays
+    assert len(store._warm) == 1
+    time.sleep(0.3)
+    store.tidy()
+    assert store._warm == []
+    assert available(fixed_pool) == SIZE
+
+
 def test_a_connection_out_for_warm_for_goes_back(
     fixed_pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

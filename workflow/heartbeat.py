@@ -127,11 +127,18 @@ class Heartbeat:
                     earliest = min(earliest, lease.deadline)
             if now >= next_beat:
                 self._beat(now)
+                self._tidy()
                 next_beat = time.monotonic() + self._interval
             planned = min(next_beat, earliest)
             self._next_wake = planned
             self._wake.wait(max(0.0, planned - time.monotonic()))
             self._wake.clear()
+
+    def _tidy(self) -> None:
+        try:
+            self._store.tidy()
+        except Exception:
+            self._logger.exception("workflow: returning idle connections to the pool failed")
 
     def _beat(self, now: float) -> None:
         live = [lease for lease in self.leases() if lease.deadline > now]

@@ -215,6 +215,24 @@ class Store:
                 break
             self._pool.putconn(conn)
 
+    def tidy(self) -> None:
+        """Return the warm connections unused for `WARM_IDLE` seconds to the pool.
+
+        The heartbeat thread calls this every tick, so a burst's connections go
+        back (and the pool may close them) even when no statement follows.
+        """
+        now = time.monotonic()
+        warm = self._warm
+        while warm:
+            try:
+                entry = warm[0]
+                if now - entry[3] < WARM_IDLE:
+                    return
+                warm.remove(entry)
+            except (IndexError, ValueError):  # taken by a statement meanwhile
+                continue
+            self._pool.putconn(entry[0])
+
     @contextmanager
     def _conn(self) -> Iterator[psycopg.Connection[Any]]:
         # getconn/putconn rather than pool.connection(): its exit sends a COMMIT
