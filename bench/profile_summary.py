@@ -32,17 +32,21 @@ CATEGORIES = [
         ("Cursor.execute", "Cursor.fetchall", "Connection.execute"),
     ),
     (
-        "psycopg_pool checkout/return + Store._conn",
+        "connection checkout/return (psycopg_pool, Store warm stack)",
         (
             "ConnectionPool.connection",
             "ConnectionPool.getconn",
             "ConnectionPool.putconn",
             "Store._conn",
+            "Store._take",
+            "Store._give_back",
         ),
     ),
     (
-        "thread hand-off (ThreadPoolExecutor, Event, Condition)",
+        "thread hand-off (RunThreads, completion latch, Event, Condition)",
         (
+            "RunThreads.",
+            "_Completion.",
             "ThreadPoolExecutor.submit",
             "_worker (concurrent",
             "Event.wait",

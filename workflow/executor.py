@@ -162,7 +162,7 @@ class _Execution:
         policy: RetryPolicy,
         max_attempts: int,
         input_value: Any,
-        restore: Callable[[], contextlib.AbstractContextManager[Any]],
+        restore: Callable[[], contextlib.AbstractContextManager[Any]] | None,
     ) -> int:
         """Run one attempt of task `seq`; the seq to go on with."""
         engine = self.engine
@@ -187,8 +187,11 @@ class _Execution:
         error: BaseException | None = None
         result: Any = None
         try:
-            with restore():
+            if restore is None:
                 result = step.fn(taskrun)
+            else:
+                with restore():
+                    result = step.fn(taskrun)
         except Exception as e:
             error = e
         finally:
@@ -280,11 +283,12 @@ class _Execution:
         except DecodeError as e:
             self.park(first, f"the run's input no longer opens: {e}")
 
-    def open_context(self) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    def open_context(self) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
+        """What each attempt enters to restore the calling context; None: nothing."""
         propagation = self.engine.propagation
         run = self.run_row
         if propagation is None or (run.context is None and run.context_sealed is None):
-            return contextlib.nullcontext
+            return None
         first = self.tasks[run.current_seq - 1]
         try:
             # The stored JSON text: "null" is a snapshot too (of an Optional type).

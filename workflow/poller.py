@@ -9,10 +9,10 @@ more than the free share of `concurrency`.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 from workflow.config import RunnerSettings
 from workflow.executor import Engine, Job, execute
+from workflow.runthreads import RunThreads
 from workflow.service import Service
 
 
@@ -26,9 +26,7 @@ class Poller(Service):
         self._engine = engine
         self._settings = settings
         self._workflows = engine.registry.names()
-        self._threads = ThreadPoolExecutor(
-            max_workers=settings.concurrency, thread_name_prefix="workflow-worker"
-        )
+        self._threads = RunThreads(settings.concurrency, "workflow-worker", engine.logger)
         self._in_flight = 0
         self._idle = threading.Condition()
 
