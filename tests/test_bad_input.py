@@ -39,7 +39,7 @@ from typing import Any, Optional
 import attrs
 import psycopg
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from psycopg.types.json import Jsonb
 
@@ -749,6 +749,7 @@ def test_executor_parks_a_run_whose_stored_input_does_not_decode(
 
 @DB_SETTINGS
 @given(doc=JSON | st.fixed_dictionaries({"actor": JSON}))
+@example(doc=1e16)  # stored by jsonb as an integer
 def test_executor_parks_a_run_whose_stored_context_does_not_decode(
     make_manager: Any,
     db: psycopg.Connection[Any],
@@ -760,9 +761,15 @@ def test_executor_parks_a_run_whose_stored_context_does_not_decode(
     mgr = _manager(make_manager, exec_logger, context=propagate(CtxPropagator()))
     run_id = _start_pending(db_url, mgr)
     db.execute("UPDATE workflow_runs SET context = %s WHERE id = %s", (Jsonb(doc), run_id))
+    # As the engine reads it back: jsonb normalizes numbers (1e16 comes back as
+    # the integer 10000000000000000).
+    stored = db.execute(
+        "SELECT context::text FROM workflow_runs WHERE id = %s", (run_id,)
+    ).fetchone()
+    assert stored is not None
     status = _settle(mgr, run_id)
     try:
-        propagate(CtxPropagator()).decode_snapshot(doc)
+        propagate(CtxPropagator()).decode_snapshot(json.loads(stored[0]))
     except DecodeError as e:
         assert status.status is workflow.Status.PARKED
         assert status.failure is not None

@@ -353,6 +353,37 @@ def test_manager_used_in_a_forked_child_raises_workflow_error_saying_build_after
     assert WF.start(mgr, 9).wait(timeout=30) is workflow.Status.SUCCEEDED
 
 
+def test_close_in_a_forked_child_leaves_the_parents_warm_connections_alone(
+    db_url: str,
+    forked_child_results: Callable[[dict[str, Callable[[], Any]]], dict[str, Any]],
+) -> None:
+    # A manager built from a URL keeps connections warm; in a child they are the
+    # parent's (same sockets): close() there must not hand them to the pool,
+    # which may close them and so end the parent's sessions.
+    mgr = workflow.Manager(db_url, registry())
+    try:
+        assert WF.start(mgr, 1).wait(timeout=30) is workflow.Status.SUCCEEDED
+        warm = [entry[0] for entry in mgr._store._warm]
+        assert warm
+
+        def close_in_child() -> None:
+            before = mgr._pool.get_stats().get("pool_available", 0)
+            mgr.close(timeout=1)
+            after = mgr._pool.get_stats().get("pool_available", 0)
+            if after != before:
+                raise AssertionError(f"the child gave {after - before} connections to its pool")
+            if mgr._store._warm:
+                raise AssertionError("the child still holds warm connections")
+
+        results = forked_child_results({"close": close_in_child})
+        assert results["close"]["raised"] is None, results
+        # The parent's warm connections are untouched and still work.
+        assert [entry[0] for entry in mgr._store._warm] == warm
+        assert WF.start(mgr, 2).wait(timeout=30) is workflow.Status.SUCCEEDED
+    finally:
+        mgr.close(timeout=10)
+
+
 def test_a_manager_built_in_the_forked_child_works(
     make_manager: Any,
     db_url: str,

@@ -10,6 +10,7 @@ keep anything for a pool the caller lent.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -18,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import wait_until
+from helpers import Records, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -121,6 +122,49 @@ def test_a_failed_statement_does_not_keep_its_connection(fixed_pool: ConnectionP
     assert store._warm == []
     assert available(fixed_pool) == SIZE
     store.close()
+
+
+def test_a_burst_wider_than_the_pool_never_waits_beside_warm_connections(
+    engine_url: str, logs: tuple[logging.Logger, Records]
+) -> None:
+    # Six threads on a 2-connection pool: a thread that finds nothing warm waits
+    # on the pool, and the connections given back meanwhile must reach it rather
+    # than stay warm (it would wait for the pool's 3 s timeout, logged as a lost
+    # connection).
+    from pgbouncer import engine_pool_kwargs
+
+    logger, records = logs
+    pool: ConnectionPool[Any] = ConnectionPool(
+        engine_url,
+        min_size=2,
+        max_size=2,
+        timeout=3.0,
+        open=True,
+        **engine_pool_kwargs(autocommit=True),
+    )
+    try:
+        pool.wait()
+        store = Store(pool, logger, keep_warm=True)
+        errors: list[BaseException] = []
+
+        def work() -> None:
+            try:
+                for _ in range(50):
+                    read(store)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=work) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert [m for m in records.messages() if "connection lost" in m] == []
+        store.close()
+        assert available(pool) == 2
+    finally:
+        pool.close()
 
 
 def test_a_connection_unused_for_warm_idle_goes_back(

@@ -478,6 +478,7 @@ class Manager:
                     if waiter is None:
                         waiter = self._waiters[key] = threading.Event()
                 continue
+            waiter.clear()  # before the read: an end after the read must stay seen
             row = self._status_row(run_id)
             status = Status(row.status)
             if status.terminal:
@@ -494,7 +495,6 @@ class Manager:
             remaining = left()
             if remaining is not None and remaining <= 0:
                 return Status.RUNNING
-            waiter.clear()
             waiter.wait(1.0 if remaining is None else min(1.0, remaining))
 
     def _kick(self, run_id: uuid.UUID) -> bool:
@@ -581,7 +581,7 @@ class Manager:
         self._closed = True
         self._threads.shutdown(wait=False)
         self._heartbeat.stop()
-        self._store.close()
+        self._store.close(forked=self._forked)
         if self._owns_pool and not self._forked:
             self._pool.close()
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import queue
 import threading
 import weakref
@@ -47,19 +48,18 @@ class RunThreads:
                 raise RuntimeError("the fast path's threads are shut down")
             if self._idle > 0:
                 self._idle -= 1
-                thread = None
             elif len(self._threads) < self._size:
                 thread = threading.Thread(
                     target=self._serve,
                     name=f"{self._name}_{len(self._threads)}",
                     daemon=True,
                 )
+                # Started before it is counted or the job is queued: when the OS
+                # refuses a thread, this raises and nothing is left half-done.
+                thread.start()
                 self._threads.append(thread)
-            else:
-                thread = None  # all busy: the next one back takes it
+            # else all are busy: the next one back takes the job.
         self._queue.put((fn, arg))
-        if thread is not None:
-            thread.start()
 
     def _serve(self) -> None:
         get = self._queue.get
@@ -92,6 +92,15 @@ class RunThreads:
             for thread in threads:
                 if thread is not current and thread.is_alive():
                     thread.join(timeout)
+
+
+def _forget_after_fork() -> None:
+    # A child has none of the parent's threads (and its copy of their lock may
+    # be held): its exit must not wait on them.
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 @atexit.register

@@ -13,6 +13,7 @@ import logging
 import math
 import random
 import re
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -186,8 +187,8 @@ class Store:
     in front of the pool rather than returned to it: the next statement reuses
     the most recently used backend, with no pool bookkeeping, where the pool
     would hand out the least recently used one. A warm connection goes back to
-    the pool after `WARM_IDLE` seconds unused or `WARM_FOR` seconds out, after
-    any error, and at `close()`.
+    the pool at once while another thread waits on the pool, after `WARM_IDLE`
+    seconds unused or `WARM_FOR` seconds out, after any error, and at `close()`.
     """
 
     def __init__(
@@ -204,10 +205,22 @@ class Store:
         # was taken from the pool, when it was last given back.
         self._warm: list[_Warm] = []
         self._closed = False
+        # Threads waiting on the pool: while there are any, connections go back
+        # to the pool instead of staying warm, or a burst wider than the pool
+        # would leave them waiting (up to the pool's timeout) beside idle ones.
+        self._waiting = 0
+        self._waiting_lock = threading.Lock()
 
-    def close(self) -> None:
-        """Return the warm connections to the pool; later ones go straight back."""
+    def close(self, *, forked: bool = False) -> None:
+        """Return the warm connections to the pool; later ones go straight back.
+
+        `forked`: this is a child process, where the connections are the
+        parent's: forget them without touching them or the pool.
+        """
         self._closed = True
+        if forked:
+            self._warm = []
+            return
         while self._warm:
             try:
                 conn = self._warm.pop()[0]
@@ -256,7 +269,26 @@ class Store:
                 pass
             else:
                 return conn, cursor, taken_at
-        return self._pool.getconn(), None, time.monotonic()
+        with self._waiting_lock:
+            self._waiting += 1
+        try:
+            # Again, now that we are counted: a connection kept warm before that
+            # would otherwise sit there while we wait on the pool.
+            if self._warm:
+                try:
+                    conn, cursor, taken_at, _ = self._warm.pop()
+                except IndexError:
+                    pass
+                else:
+                    return conn, cursor, taken_at
+            return self._pool.getconn(), None, time.monotonic()
+        finally:
+            with self._waiting_lock:
+                self._waiting -= 1
+
+    def _pool_waiters(self) -> int:
+        """How many threads are waiting for a connection from the pool now."""
+        return self._waiting
 
     def _give_back(
         self,
@@ -270,7 +302,7 @@ class Store:
         No lock: list appends and pops are atomic, and a connection kept while
         `close()` runs is taken back out by whichever of the two gets to it.
         """
-        if cursor is not None and self._keep_warm:
+        if cursor is not None and self._keep_warm and not self._pool_waiters():
             now = time.monotonic()
             if now - taken_at < WARM_FOR:
                 entry = (conn, cursor, taken_at, now)
@@ -282,10 +314,15 @@ class Store:
                         self._pool.putconn(conn)
                     return
                 try:
-                    if now - warm[0][3] < WARM_IDLE:
+                    if self._pool_waiters():
+                        # A thread began waiting on the pool meanwhile (it found
+                        # nothing warm): hand it a connection through the pool.
+                        conn = warm.pop()[0]
+                    elif now - warm[0][3] < WARM_IDLE:
                         return
-                    # The least recently used one went unused too long.
-                    conn = warm.pop(0)[0]
+                    else:
+                        # The least recently used one went unused too long.
+                        conn = warm.pop(0)[0]
                 except IndexError:
                     return
         self._pool.putconn(conn)

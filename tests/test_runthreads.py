@@ -1,0 +1,98 @@
+"""RunThreads, the fast path's and the poller's thread pool (no database needed).
+
+Jobs run on at most `size` threads; a thread the OS refuses leaves nothing
+half-done (the submit raises, no job is queued, a later submit starts a thread);
+after `shutdown()` submits raise and the threads stop behind the queued jobs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import pytest
+
+from workflow.runthreads import RunThreads
+
+LOG = logging.getLogger("test.runthreads")
+
+
+def test_jobs_run_on_at_most_size_threads() -> None:
+    threads = RunThreads(3, "rt-size", LOG)
+    lock = threading.Lock()
+    seen: set[str] = set()
+    done = threading.Semaphore(0)
+    gate = threading.Event()
+
+    def job(_: Any) -> None:
+        with lock:
+            seen.add(threading.current_thread().name)
+        gate.wait(10)
+        done.release()
+
+    for i in range(12):
+        threads.submit(job, i)
+    gate.set()
+    for _ in range(12):
+        assert done.acquire(timeout=10)
+    assert 1 <= len(seen) <= 3
+    assert all(name.startswith("rt-size_") for name in seen)
+    threads.shutdown(wait=True, timeout=10)
+
+
+def test_a_thread_the_os_refuses_leaves_nothing_half_done(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = RunThreads(1, "rt-refused", LOG)
+    ran: list[int] = []
+    done = threading.Event()
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        threads.submit(ran.append, 1)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+
+    def job(n: int) -> None:
+        ran.append(n)
+        done.set()
+
+    threads.submit(job, 2)
+    assert done.wait(10)
+    assert ran == [2]  # the refused job was never queued
+    threads.shutdown(wait=True, timeout=10)
+
+
+def test_after_shutdown_submits_raise_and_queued_jobs_still_run() -> None:
+    threads = RunThreads(1, "rt-shutdown", LOG)
+    gate = threading.Event()
+    ran: list[int] = []
+    threads.submit(lambda _: gate.wait(10), None)
+    threads.submit(ran.append, 1)  # queued behind the blocked job
+    threads.shutdown()
+    with pytest.raises(RuntimeError):
+        threads.submit(ran.append, 2)
+    gate.set()
+    threads.shutdown(wait=True, timeout=10)  # twice is fine
+    assert ran == [1]
+
+
+def test_a_job_that_raises_is_logged_and_the_thread_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    threads = RunThreads(1, "rt-raises", LOG)
+    done = threading.Event()
+
+    def boom(_: Any) -> None:
+        raise ValueError("boom")
+
+    with caplog.at_level(logging.ERROR, logger=LOG.name):
+        threads.submit(boom, None)
+        threads.submit(lambda _: done.set(), None)
+        assert done.wait(10)
+    assert any("raised" in r.getMessage() for r in caplog.records)
+    threads.shutdown(wait=True, timeout=10)
