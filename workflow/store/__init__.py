@@ -169,6 +169,11 @@ def _claimed(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     return runs
 
 
+POOL_PATIENCE = 0.05
+"""Seconds a statement waits on the pool before connections stop staying warm for
+it: long enough that only a pool really exhausted counts, short enough that a
+burst wider than the pool is served promptly."""
+
 _Warm = tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float, float]
 
 WARM_IDLE = 30.0
@@ -187,8 +192,9 @@ class Store:
     in front of the pool rather than returned to it: the next statement reuses
     the most recently used backend, with no pool bookkeeping, where the pool
     would hand out the least recently used one. A warm connection goes back to
-    the pool at once while another thread waits on the pool, after `WARM_IDLE`
-    seconds unused or `WARM_FOR` seconds out, after any error, and at `close()`.
+    the pool while another thread has waited on the pool for `POOL_PATIENCE`,
+    after `WARM_IDLE` seconds unused or `WARM_FOR` seconds out, after any error,
+    and at `close()`.
     """
 
     def __init__(
@@ -269,6 +275,16 @@ class Store:
                 pass
             else:
                 return conn, cursor, taken_at
+        if not self._keep_warm:
+            return self._pool.getconn(), None, time.monotonic()
+        # Usually the pool has one at once. If not within POOL_PATIENCE, count
+        # ourselves as waiting: from then on connections given back go to the
+        # pool (which hands them to its waiters) instead of staying warm.
+        deadline = time.monotonic() + self._pool.timeout
+        try:
+            return self._pool.getconn(POOL_PATIENCE), None, time.monotonic()
+        except PoolTimeout:
+            pass
         with self._waiting_lock:
             self._waiting += 1
         try:
@@ -281,7 +297,8 @@ class Store:
                     pass
                 else:
                     return conn, cursor, taken_at
-            return self._pool.getconn(), None, time.monotonic()
+            left = max(deadline - time.monotonic(), 0.001)
+            return self._pool.getconn(left), None, time.monotonic()
         finally:
             with self._waiting_lock:
                 self._waiting -= 1
