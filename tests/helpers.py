@@ -98,6 +98,17 @@ def poll(
         time.sleep(interval)
 
 
+def other_backends(db: psycopg.Connection[Any]) -> int:
+    """Sessions connected to the test database, other than `db` itself."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
+        "AND backend_type = 'client backend'"
+    ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def first_column_true(row: Any) -> bool:
     """For `poll(until=...)`: a row was read and its first column is truthy."""
     return row is not None and bool(row[0])

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Records, wait_until
+from helpers import Records, other_backends, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -45,17 +45,6 @@ def registry(*steps: workflow.Step[int], wf: workflow.Workflow[int] = WF) -> wor
         steps = (workflow.handle(STEP_ONE, double), workflow.handle(STEP_TWO, noop))
     reg.register(workflow.define(wf, *steps))
     return reg
-
-
-def other_backends(db: psycopg.Connection[Any]) -> int:
-    """Sessions connected to the test database, other than `db` itself."""
-    row = db.execute(
-        "SELECT count(*) FROM pg_stat_activity "
-        "WHERE datname = current_database() AND pid <> pg_backend_pid() "
-        "AND backend_type = 'client backend'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 def count_rows(db: psycopg.Connection[Any]) -> tuple[int, int]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Records, wait_until
+from helpers import Records, other_backends, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -219,15 +219,6 @@ def registry() -> workflow.Registry:
     reg = workflow.Registry()
     reg.register(workflow.define(WF, workflow.handle(STEP, lambda run: run.input + 1)))
     return reg
-
-
-def other_backends(db: psycopg.Connection[Any]) -> int:
-    row = db.execute(
-        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND pid <> pg_backend_pid() AND backend_type = 'client backend'"
-    ).fetchone()
-    assert row is not None
-    return int(row[0])
 
 
 @pytest.mark.direct("counts the engine's backends in pg_stat_activity")

@@ -79,6 +79,11 @@ def _array_literal(values: list[str]) -> str:
     return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
 
 
+def _bool_array(flags: list[bool]) -> str:
+    """A PostgreSQL boolean array literal, sent as one text parameter."""
+    return "{" + ",".join("t" if flag else "f" for flag in flags) + "}"
+
+
 class _Shape:
     """What every start of one workflow shares, computed once per manager."""
 
@@ -89,7 +94,7 @@ class _Shape:
         self.definition = definition
         self.skips = any(step.skip is not None for step in steps)
         self.names = _array_literal([step.task.name for step in steps])
-        self.no_skips = "{" + ",".join("f" for _ in steps) + "}"
+        self.no_skips = _bool_array([False] * len(steps))
         self.tasks = self.snapshot([False] * len(steps))
 
     def snapshot(self, skipped: list[bool]) -> tuple[TaskRow, ...]:
@@ -300,7 +305,7 @@ class Manager:
         if shape.skips:
             skipped = [bool(step.skip(input)) if step.skip else False for step in steps]
             current = next((i + 1 for i, s in enumerate(skipped) if not s), len(steps) + 1)
-            skipped_literal = "{" + ",".join("t" if s else "f" for s in skipped) + "}"
+            skipped_literal = _bool_array(skipped)
         else:
             skipped, current, skipped_literal = None, 1, shape.no_skips
         all_skipped = current > len(steps)

@@ -263,18 +263,24 @@ class Store:
         finally:
             self._pool.putconn(conn)
 
+    def _pop_warm(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any], float] | None:
+        """The most recently used warm connection, its cursor and when it left the pool."""
+        if not self._warm:
+            return None
+        try:
+            conn, cursor, taken_at, _ = self._warm.pop()
+        except IndexError:  # another thread took the last one
+            return None
+        return conn, cursor, taken_at
+
     def _take(self) -> tuple[psycopg.Connection[Any], psycopg.Cursor[Any] | None, float]:
         """The last warm connection (with its cursor), or one from the pool.
 
         Also returns when the connection left the pool.
         """
-        if self._warm:
-            try:
-                conn, cursor, taken_at, _ = self._warm.pop()
-            except IndexError:  # another thread took the last one
-                pass
-            else:
-                return conn, cursor, taken_at
+        warm = self._pop_warm()
+        if warm is not None:
+            return warm
         if not self._keep_warm:
             return self._pool.getconn(), None, time.monotonic()
         # Usually the pool has one at once. If not within POOL_PATIENCE, count
@@ -290,13 +296,9 @@ class Store:
         try:
             # Again, now that we are counted: a connection kept warm before that
             # would otherwise sit there while we wait on the pool.
-            if self._warm:
-                try:
-                    conn, cursor, taken_at, _ = self._warm.pop()
-                except IndexError:
-                    pass
-                else:
-                    return conn, cursor, taken_at
+            warm = self._pop_warm()
+            if warm is not None:
+                return warm
             left = max(deadline - time.monotonic(), 0.001)
             return self._pool.getconn(left), None, time.monotonic()
         finally:
