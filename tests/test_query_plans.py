@@ -100,6 +100,10 @@ def _claimable_id(conn: psycopg.Connection[Any]) -> uuid.UUID:
     return result
 
 
+def _claims(n: int) -> list[uuid.UUID]:
+    return [uuid.uuid4() for _ in range(n)]
+
+
 def _plan(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The JSON plan of the store's statement `name` with `params` bound as literals."""
     sql = psycopg.ClientCursor(conn).mogrify(_Q[name], params)
@@ -144,7 +148,11 @@ def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
 
 
 def test_claim_runs_uses_the_claimable_index(plan_db: psycopg.Connection[Any]) -> None:
-    plan = _plan(plan_db, "claim_runs", {"workflows": ["Transfer.Send"], "limit": 10})
+    plan = _plan(
+        plan_db,
+        "claim_runs",
+        {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)},
+    )
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_claimable"), scans
     _assert_no_seq_scan(scans)
@@ -154,7 +162,9 @@ def test_claim_runs_of_several_workflows_uses_the_claimable_index(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     plan = _plan(
-        plan_db, "claim_runs", {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100}
+        plan_db,
+        "claim_runs",
+        {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100, "claims": _claims(100)},
     )
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_claimable"), scans
@@ -173,4 +183,25 @@ def test_sweep_uses_the_claimed_index(plan_db: psycopg.Connection[Any]) -> None:
     plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100})
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_claimed"), scans
+    _assert_no_seq_scan(scans)
+
+
+@pytest.mark.parametrize("statement", ["claimed_runs", "heartbeat"])
+def test_finding_runs_by_claim_reads_only_the_claimed_runs(
+    plan_db: psycopg.Connection[Any], statement: str
+) -> None:
+    """The heartbeat, and a claim's retry after a lost reply, look runs up by claim id."""
+    plan = _plan(plan_db, statement, {"claims": _claims(10)})
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    _assert_no_seq_scan(scans)
+
+
+@pytest.mark.parametrize("statement", ["released", "inserted_run"])
+def test_recognising_an_earlier_try_is_a_primary_key_lookup(
+    plan_db: psycopg.Connection[Any], statement: str
+) -> None:
+    plan = _plan(plan_db, statement, {"id": _claimable_id(plan_db), "claim_id": uuid.uuid4()})
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_pkey"), scans
     _assert_no_seq_scan(scans)

@@ -26,7 +26,13 @@ if TYPE_CHECKING:
 In = TypeVar("In")
 Out = TypeVar("Out")
 
-MAX_TASKS = 32767
+MAX_TASKS = 32766
+"""The most tasks a workflow may have: a run's position is a `smallint` that reads
+`task_count + 1` once every task is done, so 32767 tasks could not finish."""
+
+MAX_NAME_BYTES = 255
+"""The longest workflow or task name, in UTF-8 bytes: a name is a wake-up's
+payload and part of the idempotency index's entries, both of which are bounded."""
 
 
 class Workflow(Generic[In]):
@@ -218,8 +224,9 @@ class Registry:
 
         Raises `RegistrationError` naming the problem: a frozen registry, a
         duplicate workflow name, zero tasks, an empty or duplicate task name, more
-        than 32767 tasks, a bad timeout, attempt budget or backoff, or a task name
-        already registered with a different output type.
+        than 32766 tasks, a name with a NUL or longer than 255 bytes, a bad
+        timeout, attempt budget or backoff (infinite or beyond `MAX_SECONDS`
+        included), or a task name already registered with a different output type.
         """
         if not isinstance(definition, Definition):
             raise RegistrationError(
@@ -233,8 +240,7 @@ class Registry:
                     f"workflow {wf.name!r}: the registry is frozen because a Manager was "
                     "built with it; register every workflow before building the Manager"
                 )
-            if not isinstance(wf.name, str) or not wf.name:
-                raise RegistrationError("a workflow needs a non-empty name")
+            _check_name(wf.name, "a workflow name")
             if wf.name in self._definitions:
                 raise RegistrationError(
                     f"workflow {wf.name!r} is already registered; workflow names are unique"
@@ -245,8 +251,9 @@ class Registry:
                 )
             if len(definition.steps) > MAX_TASKS:
                 raise RegistrationError(
-                    f"workflow {wf.name!r} has {len(definition.steps)} tasks; "
-                    f"the most a workflow may have is {MAX_TASKS}"
+                    f"workflow {wf.name!r} has {len(definition.steps)} tasks; the most a "
+                    f"workflow may have is {MAX_TASKS}: split it into workflows that start "
+                    "one another"
                 )
             policies: dict[tuple[str, str], RetryPolicy] = {}
             new_types: dict[str, Any] = {}
@@ -314,13 +321,30 @@ def _check_step(workflow: str, step: object) -> str:
         raise RegistrationError(
             f"workflow {workflow!r}: handle() takes a workflow.Task, not {type(task).__name__}"
         )
-    if not isinstance(task.name, str) or not task.name:
-        raise RegistrationError(f"workflow {workflow!r}: a task needs a non-empty name")
+    _check_name(task.name, f"workflow {workflow!r}: a task name")
     if not callable(step.fn):
         raise RegistrationError(
             f"workflow {workflow!r}: the handler of task {task.name!r} is not callable"
         )
     return task.name
+
+
+def _check_name(name: object, what: str) -> None:
+    """Refuse a name PostgreSQL could not store or the schema could not index."""
+    if not isinstance(name, str) or not name:
+        raise RegistrationError(f"{what} must be a non-empty str, got {name!r}")
+    if "\x00" in name:
+        raise RegistrationError(f"{what} {name!r} contains a NUL character")
+    try:
+        size = len(name.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise RegistrationError(
+            f"{what} {name!r} is not valid Unicode (a lone surrogate)"
+        ) from None
+    if size > MAX_NAME_BYTES:
+        raise RegistrationError(
+            f"{what} is {size} bytes long; the most is {MAX_NAME_BYTES} (UTF-8)"
+        )
 
 
 def _positive(workflow: str, task: str, what: str, value: object) -> float:

@@ -4,21 +4,41 @@ from __future__ import annotations
 
 import datetime
 import math
+import threading
 from typing import TypeAlias
 
 Duration: TypeAlias = "int | float | datetime.timedelta"
 
+MAX_SECONDS = float(int(threading.TIMEOUT_MAX))
+"""The longest duration accepted anywhere (about 292 years on Linux): the most a
+thread can wait for, and far inside what PostgreSQL's intervals and timestamps
+carry, so no delay or timeout can overflow either."""
+
 
 def seconds(value: object, what: str) -> float:
-    """`value` in seconds as a float; `TypeError` for anything that is not a duration."""
+    """`value` in seconds as a float.
+
+    Raises `TypeError` for anything that is not a duration, and `ValueError` for
+    NaN, an infinite value, or one beyond `MAX_SECONDS` (for "no limit", the
+    caller's API takes None).
+    """
     if isinstance(value, datetime.timedelta):
-        return value.total_seconds()
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        result = float(value)
-        if math.isnan(result):
-            raise ValueError(f"{what} is NaN; give seconds or a timedelta")
-        return result
-    raise TypeError(
-        f"{what} must be seconds (int or float) or a datetime.timedelta, "
-        f"not {type(value).__name__}"
-    )
+        result = value.total_seconds()
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            result = float(value)
+        except OverflowError:
+            result = math.inf if value > 0 else -math.inf
+    else:
+        raise TypeError(
+            f"{what} must be seconds (int or float) or a datetime.timedelta, "
+            f"not {type(value).__name__}"
+        )
+    if math.isnan(result):
+        raise ValueError(f"{what} is NaN; give seconds or a timedelta")
+    if not -MAX_SECONDS <= result <= MAX_SECONDS:
+        raise ValueError(
+            f"{what} is {value!r}, beyond the {MAX_SECONDS:.0f}s (about 292 years) a duration "
+            "may be; for no limit, pass None where the option allows it"
+        )
+    return result

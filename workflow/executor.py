@@ -75,38 +75,75 @@ class _Stop(Exception):
     """Ends an execution early; the claim has been dealt with."""
 
 
+FAULT_RETRY_DELAY = 30.0
+"""Seconds a run waits after the engine failed on it before any attempt ran (say
+the database refused a park): long enough that a fault that repeats cannot spin."""
+
+
+@attrs.frozen
+class _Ran:
+    """An attempt whose handler has run and whose outcome is not recorded yet."""
+
+    seq: int
+    row: TaskRow
+    max_attempts: int
+    policy: RetryPolicy
+
+
+_executing = threading.local()
+"""Per thread: the engine whose execution this thread is inside, and its run id."""
+
+
+def executing(engine: Engine) -> uuid.UUID | None:
+    """The run the calling thread is executing for `engine` (inside a handler), else None."""
+    if getattr(_executing, "engine", None) is engine:
+        run_id: uuid.UUID = _executing.run_id
+        return run_id
+    return None
+
+
 def delay_after(policy: RetryPolicy, settings: Settings, attempts: int) -> float:
-    """Seconds to wait before the attempt after `attempts` ended attempts."""
+    """Seconds to wait before the attempt after `attempts` ended attempts.
+
+    Exponential: `min(base * 2**(attempts-1), max)`. The exponent is capped first
+    (a float power overflows past 2**1023), and a float product saturates to
+    infinity rather than raising, so a task retried forever keeps its capped
+    delay however many attempts it has spent.
+    """
     if policy.schedule is not None:
-        return policy.schedule[min(attempts, len(policy.schedule)) - 1]
+        return policy.schedule[max(min(attempts, len(policy.schedule)), 1) - 1]
     base = policy.backoff_base if policy.backoff_base is not None else settings.backoff_base
     cap = policy.backoff_max if policy.backoff_max is not None else settings.backoff_max
-    return float(min(base * 2 ** (attempts - 1), cap))
+    exponent = min(max(attempts - 1, 0), 1023)
+    return min(base * 2.0**exponent, cap)
 
 
 def execute(engine: Engine, job: Job) -> None:
     """Run `job` from its current task until it finishes, parks, or must stop.
 
-    Never raises: unexpected errors are logged and the claim is released. Calls
-    `engine.finished(run_id, status)` at the end, with the terminal status this
-    execution wrote, or None when it stopped without one.
+    Raises nothing of its own. An unexpected error is logged, and an attempt that
+    ran is counted (or parks the run) even then: a claim is never released with
+    an attempt that ran left uncounted, so a fault that repeats cannot re-run a
+    handler more often than its budget allows. When not even that can be
+    written, the claim is left as it is, no longer heartbeated, for a sweeper
+    to release after `sweep_max_age`, counting the attempt. A `SystemExit` or
+    `KeyboardInterrupt` raised by a handler is recorded as a failed attempt and
+    then propagates. Calls `engine.finished(run_id, status)` at the end, with the
+    terminal status this execution wrote, or None when it stopped without one.
     """
     lease = Lease(job.run.id, job.run.claim_id)
     engine.heartbeat.add(lease)
     execution = _Execution(engine, job, lease)
+    outer = getattr(_executing, "engine", None), getattr(_executing, "run_id", None)
+    _executing.engine, _executing.run_id = engine, job.run.id
     try:
         execution.run()
     except _Stop:
         pass
-    except Exception:
-        engine.logger.exception(
-            "workflow: run %s: execution failed unexpectedly; releasing its claim",
-            job.run.id,
-            extra={"run_id": str(job.run.id)},
-        )
-        with contextlib.suppress(_Stop):
-            execution.release()
+    except Exception as e:
+        execution.engine_failed(e)
     finally:
+        _executing.engine, _executing.run_id = outer
         engine.heartbeat.remove(lease)
         engine.finished(job.run.id, execution.outcome)
 
@@ -124,6 +161,7 @@ class _Execution:
         self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
         self.decoded: dict[str, Any] = {}
         self.outcome: Status | None = None
+        self.unrecorded: _Ran | None = None
 
     # The run's life.
 
@@ -192,12 +230,15 @@ class _Execution:
             else:
                 with restore():
                     result = step.fn(taskrun)
-        except Exception as e:
+        except BaseException as e:
             error = e
         finally:
             self.lease.end_attempt()
+        if error is not None and not isinstance(error, Exception):
+            self.interrupted(seq, row, max_attempts, policy, error)
         if self.lease.lost:
             raise _Stop
+        self.unrecorded = _Ran(seq, row, max_attempts, policy)
         task = step.task
         document: str | None = None
         plain: Any = None
@@ -214,31 +255,73 @@ class _Execution:
         text = error_text(error)
         if time.monotonic() >= deadline:
             text = f"timed out after {timeout:g}s: {text}"
+        return self.fail(
+            seq, row, text, code_of(error), max_attempts, policy,
+            permanent=is_permanent(error), may_keep_claim=True,
+        )
+
+    def interrupted(
+        self, seq: int, row: TaskRow, max_attempts: int, policy: RetryPolicy,
+        interrupt: BaseException,
+    ) -> NoReturn:
+        """A handler raised SystemExit, KeyboardInterrupt or the like: record the
+        failed attempt, end the execution without its claim, then re-raise it."""
+        self.unrecorded = _Ran(seq, row, max_attempts, policy)
+        text = f"the handler raised {type(interrupt).__name__}"
+        if str(interrupt):
+            text += f": {interrupt}"
+        try:
+            self.fail(seq, row, text, None, max_attempts, policy,
+                      permanent=False, may_keep_claim=False)
+        except _Stop:
+            pass
+        except Exception as e:
+            self.engine_failed(e)
+        raise interrupt
+
+    def fail(
+        self,
+        seq: int,
+        row: TaskRow,
+        text: str,
+        code: str | None,
+        max_attempts: int,
+        policy: RetryPolicy,
+        *,
+        permanent: bool,
+        may_keep_claim: bool,
+    ) -> int:
+        """Count a failed attempt of task `seq`: park, or retry here or later.
+
+        Returns the seq to go on with after an in-process backoff; otherwise
+        stops (parked, or the claim released until the retry is due).
+        """
+        engine = self.engine
         attempts = row.attempts + 1
-        if is_permanent(error) or attempts >= max_attempts:
-            why = "failed permanently" if is_permanent(error) else "failed on its last attempt"
+        if permanent or attempts >= max_attempts:
+            why = "failed permanently" if permanent else "failed on its last attempt"
             self.park(
                 row,
                 text,
-                code=code_of(error),
+                code=code,
                 spent=1,
                 log=f"task {row.name!r} {why} (attempt {attempts} of {max_attempts})",
             )
         delay = delay_after(policy, engine.settings, attempts)
-        in_process = delay <= engine.settings.max_in_process_backoff
+        in_process = may_keep_claim and delay <= engine.settings.max_in_process_backoff
         engine.logger.info(
             "workflow: run %s: task %r attempt %d of %d failed, retrying in %gs%s: %s",
             self.run_id, row.name, attempts, max_attempts, delay,
             "" if in_process else " (claim released for a poller)", text,
             extra=self.extra,
         )
-        updated = engine.store.fail_task(
+        if not engine.store.fail_task(
             self.run_row.id, self.run_row.claim_id, seq,
-            error=text, code=code_of(error), spent=1, park=False,
+            error=text, code=code, attempts=attempts, spent=True, park=False,
             keep_claim=in_process, delay=delay,
-        )
-        if updated is None:
+        ):
             self.lost()
+        self.unrecorded = None
         if not in_process:
             raise _Stop
         self.tasks[seq - 1] = attrs.evolve(row, attempts=attempts)
@@ -256,6 +339,7 @@ class _Execution:
             self.run_row.id, self.run_row.claim_id, seq, document, next_seq, done
         ):
             self.lost()
+        self.unrecorded = None
         if document is not None:
             self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
             self.outputs[row.name] = self.tasks[seq - 1]
@@ -265,6 +349,38 @@ class _Execution:
         if engine.draining.is_set():
             self.release()
         return next_seq
+
+    def engine_failed(self, error: Exception) -> None:
+        """The engine itself failed (the database refused a write, a bug): never release
+        the claim with an attempt that ran left uncounted."""
+        engine = self.engine
+        ran = self.unrecorded
+        if ran is None:
+            engine.logger.error(
+                "workflow: run %s: the engine failed before an attempt ran; releasing the "
+                "claim for %gs",
+                self.run_id, FAULT_RETRY_DELAY, exc_info=error, extra=self.extra,
+            )
+            with contextlib.suppress(_Stop):
+                self.release(delay=FAULT_RETRY_DELAY)
+            return
+        engine.logger.error(
+            "workflow: run %s: task %r: the attempt's outcome could not be recorded; "
+            "counting it as a failed attempt",
+            self.run_id, ran.row.name, exc_info=error, extra=self.extra,
+        )
+        text = f"the attempt's outcome could not be recorded: {type(error).__name__}: {error}"
+        try:
+            self.fail(ran.seq, ran.row, text, None, ran.max_attempts, ran.policy,
+                      permanent=False, may_keep_claim=False)
+        except _Stop:
+            pass
+        except Exception:
+            engine.logger.exception(
+                "workflow: run %s: counting the failed attempt failed too; the claim is left "
+                "as it is: a sweeper releases it after sweep_max_age and counts the attempt",
+                self.run_id, extra=self.extra,
+            )
 
     # Inputs, context and outputs.
 
@@ -350,26 +466,30 @@ class _Execution:
         log: str | None = None,
     ) -> NoReturn:
         """Park the run on `row` (fenced) and log it at ALERT; always stops."""
-        updated = self.engine.store.fail_task(
+        attempts = row.attempts + spent
+        if not self.engine.store.fail_task(
             self.run_row.id, self.run_row.claim_id, row.seq,
-            error=text, code=code, spent=spent, park=True, keep_claim=False, delay=0.0,
-        )
-        if updated is None:
+            error=text, code=code, attempts=attempts, spent=spent > 0, park=True,
+            keep_claim=False, delay=0.0,
+        ):
             self.lost()
+        self.unrecorded = None
         self.engine.logger.log(
             ALERT,
             "workflow: run %s parked on task %r after %d attempts: %s",
-            self.run_id, row.name, updated, log + ": " + text if log else text,
+            self.run_id, row.name, attempts, log + ": " + text if log else text,
             extra=self.extra,
         )
         self.outcome = Status.PARKED
         raise _Stop
 
-    def release(self, retry_at: datetime.datetime | None = None) -> NoReturn:
+    def release(
+        self, retry_at: datetime.datetime | None = None, *, delay: float | None = None
+    ) -> NoReturn:
         """Give the claim up without ending an attempt; always stops."""
         try:
             released = self.engine.store.release_claim(
-                self.run_row.id, self.run_row.claim_id, retry_at
+                self.run_row.id, self.run_row.claim_id, retry_at, delay=delay
             )
         except Exception:
             self.engine.logger.exception(
@@ -379,11 +499,13 @@ class _Execution:
             raise _Stop from None
         if not released:
             self.lost()
+        self.unrecorded = None
         raise _Stop
 
     def lost(self) -> NoReturn:
         """A fenced write matched nothing: another executor owns the run."""
         self.lease.cancel(LOST)
+        self.unrecorded = None
         self.engine.logger.warning(
             "workflow: run %s: claim lost (another executor owns the run); stopping",
             self.run_id, extra=self.extra,

@@ -25,7 +25,7 @@ import attrs
 import psycopg
 from psycopg import pq, sql
 from psycopg.rows import tuple_row
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from workflow.errors import WorkflowError
 from workflow.store.migrate import (
@@ -45,6 +45,7 @@ __all__ = [
     "TaskRow",
     "migrate",
     "schema_version",
+    "storable",
 ]
 
 RETRY_FOR = 30.0
@@ -65,6 +66,30 @@ def _connection_lost(e: Exception) -> bool:
 
 CHANNEL = "workflow_runs"
 """The LISTEN/NOTIFY channel; the payload is the workflow name."""
+
+ERROR_CHARS = 4000
+"""The most characters of an error text stored (the rest is cut, marked "(truncated)")."""
+
+CODE_CHARS = 200
+"""The most characters of a failure code stored."""
+
+KEY_WAIT = "5s"
+"""How long `insert_run` waits, in its own transaction, for an idempotency key that a
+transaction still open has inserted (say a `start_tx` not committed yet), before
+giving up with `psycopg.errors.LockNotAvailable`."""
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str, limit: int) -> str:
+    """`text` as PostgreSQL can store it: NUL characters and lone surrogates (which
+    text columns and UTF-8 refuse) replaced by U+FFFD, and at most `limit` characters."""
+    if _UNSTORABLE.search(text):
+        text = _UNSTORABLE.sub("\ufffd", text)
+    if len(text) > limit:
+        marker = "... (truncated)"
+        text = text[: limit - len(marker)] + marker
+    return text
 
 
 def _load_queries() -> dict[str, str]:
@@ -346,33 +371,54 @@ class Store:
                     return
         self._pool.putconn(conn)
 
-    def _run(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def _once(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run one statement in its own transaction, on a warm or pooled connection."""
+        conn, cursor, taken_at = self._take()
+        reuse = None
+        try:
+            if cursor is None:
+                cursor = conn.cursor(row_factory=tuple_row)
+            if conn.autocommit:  # always, on a pool the Manager built
+                rows = cursor.execute(_Q[name], params).fetchall()
+            else:
+                with _autocommit(conn):
+                    rows = cursor.execute(_Q[name], params).fetchall()
+            if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                reuse = cursor
+            return rows
+        finally:
+            self._give_back(conn, reuse, taken_at)
+
+    def _run(
+        self, name: str, params: dict[str, Any], recover: str | None = None
+    ) -> list[tuple[Any, ...]]:
         """Run one statement in its own transaction, riding out connection failures.
 
         A lost connection (a server restart, a terminated backend, a pool that
         cannot connect yet) is retried with jittered exponential backoff for up to
-        `RETRY_FOR` seconds. Every statement is safe to repeat: the writes set
-        absolute values under a fence, and `insert_run` recognises its own row.
+        `RETRY_FOR` seconds. The server may have committed the lost try and lost
+        only its reply: so each retry first runs `recover` (with the same
+        parameters), a statement that finds what an earlier try did, and returns
+        its rows when it finds anything; only otherwise is `name` run again.
+        Without `recover`, `name` must be safe to repeat as it is.
+
+        Raises `WorkflowError` when the pool is closed, and the database's error
+        for anything else.
         """
         deadline = math.inf
         failures = 0
         while True:
             try:
-                conn, cursor, taken_at = self._take()
-                reuse = None
-                try:
-                    if cursor is None:
-                        cursor = conn.cursor(row_factory=tuple_row)
-                    if conn.autocommit:  # always, on a pool the Manager built
-                        rows = cursor.execute(_Q[name], params).fetchall()
-                    else:
-                        with _autocommit(conn):
-                            rows = cursor.execute(_Q[name], params).fetchall()
-                    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
-                        reuse = cursor
-                    return rows
-                finally:
-                    self._give_back(conn, reuse, taken_at)
+                if failures and recover is not None:
+                    found = self._once(recover, params)
+                    if found:
+                        return found
+                return self._once(name, params)
+            except PoolClosed as e:
+                raise WorkflowError(
+                    f"workflow: the connection pool is closed ({e}); a closed Manager or pool "
+                    "cannot be used again: build a new one"
+                ) from e
             except Exception as e:
                 if not _connection_lost(e):
                     raise
@@ -395,18 +441,18 @@ class Store:
     def insert_run(
         self, conn: psycopg.Connection[Any] | None, params: dict[str, Any]
     ) -> uuid.UUID | None:
-        """Insert a run and its tasks; its id, or None when the idempotency key exists."""
+        """Insert a run and its tasks; its id, or None when the idempotency key exists.
+
+        With `conn`, inside the caller's transaction. Without, in a transaction of
+        its own that waits at most `KEY_WAIT` for a key held by a transaction still
+        open (then `psycopg.errors.LockNotAvailable`), and that recognises its own
+        row when a retry follows a lost reply: the run id is random, so a row with
+        it can only be this insert's.
+        """
         if conn is None:
-            try:
-                rows = self._run("insert_run", params)
-            except psycopg.errors.UniqueViolation as e:
-                # Our retry of an insert whose commit was not acknowledged: the
-                # run id is random, so only our own earlier attempt can hold it.
-                if e.diag.constraint_name != "workflow_runs_pkey":
-                    raise
-                return uuid.UUID(str(params["id"]))
+            rows = self._run("insert_run", {**params, "key_wait": KEY_WAIT}, "inserted_run")
         else:
-            rows = _execute(conn, "insert_run", params)
+            rows = _execute(conn, "insert_run", {**params, "key_wait": None})
         return rows[0][0] if rows else None
 
     def find_idempotent_run(
@@ -421,13 +467,26 @@ class Store:
         return rows[0][0] if rows else None
 
     def claim_run(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> ClaimedRun | None:
-        """Claim one run by id when it is claimable now and unlocked; None otherwise."""
-        runs = _claimed(self._run("claim_run", {"id": run_id, "claim_id": claim_id}))
+        """Claim one run by id when it is claimable now and unlocked; None otherwise.
+
+        After a lost reply the retry re-selects the run under `claim_id`.
+        """
+        params = {"id": run_id, "claim_id": claim_id, "claims": [claim_id]}
+        runs = _claimed(self._run("claim_run", params, "claimed_runs"))
         return runs[0] if runs else None
 
     def claim_runs(self, workflows: Sequence[str], limit: int) -> list[ClaimedRun]:
-        """Claim up to `limit` claimable runs of `workflows`, oldest first."""
-        return _claimed(self._run("claim_runs", {"workflows": list(workflows), "limit": limit}))
+        """Claim up to `limit` claimable runs of `workflows`, oldest first.
+
+        The claim ids are chosen here, so a retry after a lost reply re-selects
+        what the lost try claimed instead of stranding it.
+        """
+        params = {
+            "workflows": list(workflows),
+            "limit": limit,
+            "claims": [uuid.uuid4() for _ in range(limit)],
+        }
+        return _claimed(self._run("claim_runs", params, "claimed_runs"))
 
     def complete_task(
         self,
@@ -439,7 +498,7 @@ class Store:
         done: bool,
     ) -> bool:
         """Record `seq`'s output and advance the run; False when the claim was lost."""
-        rows = self._run(
+        rows = self._run_fenced(
             "complete_task",
             {
                 "id": run_id,
@@ -460,39 +519,56 @@ class Store:
         *,
         error: str,
         code: str | None,
-        spent: int,
+        attempts: int,
+        spent: bool,
         park: bool,
         keep_claim: bool,
         delay: float,
-    ) -> int | None:
-        """Record a failure of `seq`; its new attempt count, or None when the claim was lost."""
-        rows = self._run(
+    ) -> bool:
+        """Record a failure of `seq` with its attempt count now; False when the claim was lost.
+
+        `error` and `code` are made storable first (NUL and lone surrogates
+        replaced, length bounded), so no text a handler raises can fail the write.
+        """
+        rows = self._run_fenced(
             "fail_task",
             {
                 "id": run_id,
                 "claim_id": claim_id,
                 "seq": seq,
-                "error": error,
-                "code": code,
+                "error": storable(error, ERROR_CHARS),
+                "code": None if code is None else storable(code, CODE_CHARS),
+                "attempts": attempts,
                 "spent": spent,
                 "park": park,
                 "keep_claim": keep_claim and not park,
                 "delay": delay,
             },
         )
-        return int(rows[0][0]) if rows else None
+        return bool(rows)
 
     def release_claim(
         self,
         run_id: uuid.UUID,
         claim_id: uuid.UUID,
         retry_at: datetime.datetime | None = None,
+        *,
+        delay: float | None = None,
     ) -> bool:
-        """Drop a claim without ending an attempt; False when it was already lost."""
-        rows = self._run(
-            "release_claim", {"id": run_id, "claim_id": claim_id, "retry_at": retry_at}
+        """Drop a claim without ending an attempt; False when it was already lost.
+
+        Not claimable before `retry_at`, or for `delay` seconds, when given.
+        """
+        rows = self._run_fenced(
+            "release_claim",
+            {"id": run_id, "claim_id": claim_id, "retry_at": retry_at, "delay": delay},
         )
         return bool(rows)
+
+    def _run_fenced(self, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+        """Run a write fenced by `params["claim_id"]`; a retry whose earlier try let
+        go of the claim (its reply lost) finds that in `released`, not "claim lost"."""
+        return self._run(name, params, "released")
 
     def heartbeat(self, claims: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Refresh the heartbeat of `claims`; the subset still held."""

@@ -27,7 +27,7 @@ import workflow_migrations
 from workflow.errors import WorkflowError
 from workflow.store.connection import connect
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The number of the newest migration in the chain this code was built with."""
 
 TABLE_PREFIX = "workflow_yoyo_"

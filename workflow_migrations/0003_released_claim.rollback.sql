@@ -1,0 +1,1 @@
+ALTER TABLE workflow_runs DROP COLUMN released_claim;
