@@ -46,6 +46,21 @@ class Lease:
             self.deadline = deadline
         return event
 
+    def expire(self, now: float) -> bool:
+        """Cancel the attempt (reason DEADLINE) if its deadline is at or before `now`.
+
+        The deadline is read under the lease's lock, so an attempt that ended
+        and gave way to the next one since the caller looked is left alone.
+        True when the current attempt is past its deadline.
+        """
+        with self._lock:
+            if self.deadline > now:
+                return False
+            if self.reason not in (LOST, SHUTDOWN) and not self.cancelled.is_set():
+                self.reason = DEADLINE
+                self.cancelled.set()
+            return True
+
     def end_attempt(self) -> None:
         """The attempt is over: heartbeat the claim again while the executor goes on."""
         with self._lock:
@@ -120,10 +135,7 @@ class Heartbeat:
             now = time.monotonic()
             earliest = math.inf
             for lease in self.leases():
-                if lease.deadline <= now:
-                    if not lease.cancelled.is_set():
-                        lease.cancel(DEADLINE)
-                else:
+                if not lease.expire(now):
                     earliest = min(earliest, lease.deadline)
             if now >= next_beat:
                 self._beat(now)

@@ -12,19 +12,28 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import psycopg
+from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from workflow import codec
 from workflow.config import Config, RunnerConfig, Settings
 from workflow.definition import Definition, Registry, Workflow
 from workflow.durations import Duration, seconds
-from workflow.errors import ConfigError, DecodeError, RunNotFound, WorkflowError
-from workflow.executor import Engine, Job, execute
+from workflow.errors import ConfigError, DecodeError, EncodeError, RunNotFound, WorkflowError
+from workflow.executor import Engine, Job, execute, executing
 from workflow.heartbeat import SHUTDOWN, Heartbeat
 from workflow.run import Failure, Run, RunStatus, Status
 from workflow.runthreads import RunThreads
 from workflow.sealing import open_document, seal_document
-from workflow.store import ClaimedRun, Store, TaskRow, in_transaction
+from workflow.store import (
+    ClaimedRun,
+    Store,
+    TaskRow,
+    check_schema,
+    current_database,
+    in_transaction,
+)
+from workflow.store.connection import connect, normalize_url
 
 if TYPE_CHECKING:
     from workflow.runnable import Runnable
@@ -113,6 +122,34 @@ class _Shape:
         )
 
 
+MAX_KEY_BYTES = 1024
+"""The longest idempotency key, in UTF-8 bytes: it is indexed (with the workflow
+name), and an index entry must fit in about a third of a page."""
+
+
+def _check_key(key: object) -> None:
+    """Refuse an idempotency key before any SQL is sent (EncodeError, TypeError)."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"idempotency_key must be a non-empty str, got {key!r}")
+    if "\x00" in key:
+        raise EncodeError(f"idempotency_key {key!r} contains a NUL character")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise EncodeError(
+            f"idempotency_key {key!r} is not valid Unicode (a lone surrogate)"
+        ) from None
+    if size > MAX_KEY_BYTES:
+        raise EncodeError(
+            f"idempotency_key is {size} bytes long; the most is {MAX_KEY_BYTES} (UTF-8): "
+            "hash a longer key first"
+        )
+
+
+def _one_line(text: object) -> str:
+    return " ".join(str(text).split())
+
+
 def _parse_id(run_id: str) -> uuid.UUID:
     try:
         return uuid.UUID(run_id)
@@ -125,11 +162,13 @@ class Manager:
 
     `db` is a `psycopg_pool.ConnectionPool` (borrowed, never closed here) or a
     connection string (the manager builds and owns a pool). Construction
-    freezes `registry`, reads the schema version (one query) and raises
-    `workflow.store.SchemaOutdated` when the database is behind, and
-    `ConfigError` unless every task's timeout plus `max_in_process_backoff` is
-    under `sweep_max_age`. A manager must not cross a `fork()`: build it in the
-    child (Gunicorn: in `post_fork`, or lazily on first request).
+    freezes `registry`, reads the schema version and raises
+    `workflow.store.SchemaOutdated` when the database is behind, `WorkflowError`
+    with the server's reason when a connection string is malformed or its
+    database cannot be reached (within the connect timeout, 10 s by default),
+    and `ConfigError` unless every task's timeout plus `max_in_process_backoff`
+    is under `sweep_max_age`. A manager must not cross a `fork()`: build it in
+    the child (Gunicorn: in `post_fork`, or lazily on first request).
     """
 
     def __init__(
@@ -158,8 +197,24 @@ class Manager:
             assert definition is not None
             self._shapes[name] = _Shape(definition)
         if isinstance(db, str):
+            url = normalize_url(db)
+            # One plain connection first: it fails at once with the server's own
+            # reason, where a pool would retry quietly for its whole timeout.
+            try:
+                conninfo_to_dict(url)
+            except psycopg.Error as e:
+                raise WorkflowError(f"workflow: invalid database URL: {_one_line(e)}") from e
+            try:
+                with connect(url) as conn:
+                    check_schema(conn)
+                    self._dbname = conn.info.dbname
+                    self._database = current_database(conn)
+            except psycopg.Error as e:
+                raise WorkflowError(
+                    f"workflow: cannot connect to the database: {_one_line(e)}"
+                ) from e
             self._pool: ConnectionPool[Any] = ConnectionPool(
-                db,
+                url,
                 min_size=1,
                 max_size=self._settings.pool_size,
                 kwargs={"autocommit": True},
@@ -168,21 +223,17 @@ class Manager:
             )
             self._owns_pool = True
             self._pool.open(wait=True, timeout=30.0)
+            self._store = Store(self._pool, self._logger, keep_warm=True)
         elif isinstance(db, ConnectionPool):
             self._pool = db
             self._owns_pool = False
+            self._store = Store(self._pool, self._logger)
+            self._dbname, self._database = self._store.check_schema()
         else:
             raise TypeError(
                 "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
                 f"not {type(db).__name__}"
             )
-        self._store = Store(self._pool, self._logger, keep_warm=self._owns_pool)
-        try:
-            self._store.check_schema()
-        except BaseException:
-            if self._owns_pool:
-                self._pool.close()
-            raise
         self._draining = threading.Event()
         self._threads = RunThreads(self._settings.max_local_runs, "workflow-run", self._logger)
         # Fast-path executions in flight, at most max_local_runs; a plain lock on the
@@ -234,12 +285,32 @@ class Manager:
                         "reclaim a run whose executor is still inside a legitimate attempt"
                     )
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, *, runnable: bool = False) -> None:
+        """Raise `WorkflowError` when this manager cannot serve a call now.
+
+        After `fork()` nothing works in the child. After `close()`, a manager
+        that owned its pool has nothing to work with; one over a borrowed pool
+        still inserts and reads (the rows wait for a poller), but runs no worker.
+        """
         if self._forked:
             raise WorkflowError(
                 "workflow: this Manager was built before os.fork() and cannot be used in the "
                 "child; build the Manager after the fork (Gunicorn: in post_fork, or lazily "
                 "on the first request)"
+            )
+        if self._closed and (runnable or self._owns_pool):
+            raise WorkflowError(
+                "workflow: the manager is closed (its threads and connections are released); "
+                "build a new Manager"
+            )
+
+    def _refuse_inside_handler(self, what: str) -> None:
+        """`WorkflowError` when the calling thread is inside a handler this manager executes."""
+        if executing(self._engine) is not None:
+            raise WorkflowError(
+                f"workflow: {what} was called from inside a handler that this manager is "
+                "executing; it waits for every execution to end, that one included, so it "
+                "would wait for itself: call it from outside the handler"
             )
 
     @property
@@ -274,18 +345,15 @@ class Manager:
                 f"workflow {wf.name!r} is not registered with this manager; register it "
                 "before building the Manager"
             )
-        if idempotency_key is not None and (
-            not isinstance(idempotency_key, str) or not idempotency_key
-        ):
-            raise TypeError(
-                f"idempotency_key must be a non-empty str, got {idempotency_key!r}"
-            )
+        if idempotency_key is not None:
+            _check_key(idempotency_key)
         if conn is not None:
             if not isinstance(conn, psycopg.Connection):
                 raise TypeError(
                     f"start_tx() needs a psycopg.Connection, not {type(conn).__name__}"
                 )
             in_transaction(conn)
+            self._check_same_database(conn)
         run_id = uuid.uuid4()
         # Fast-path handlers get `stored_input`, decoded from what is stored: never
         # the caller's object, which the caller may go on changing.
@@ -329,6 +397,14 @@ class Manager:
         }
         try:
             inserted = self._store.insert_run(conn, params)
+        except psycopg.errors.LockNotAvailable as e:
+            if fast:
+                self._release_slot()
+            raise WorkflowError(
+                f"workflow {wf.name!r}: idempotency key {idempotency_key!r} is held by a "
+                "transaction still open (a start_tx() of this key not committed yet, maybe "
+                "on this very thread): commit or roll back that transaction first"
+            ) from e
         except BaseException:
             if fast:
                 self._release_slot()
@@ -360,6 +436,22 @@ class Manager:
             )
             self._launch(Job(run=claimed, input=stored_input))
         return Run(self, str(run_id), run_id)
+
+    def _check_same_database(self, conn: psycopg.Connection[Any]) -> None:
+        """`WorkflowError` unless `conn` is on this manager's database.
+
+        The connection's own name costs nothing to read; only when it differs
+        (another alias of the same database, say) is the server asked.
+        """
+        if conn.info.dbname == self._dbname:
+            return
+        theirs = current_database(conn)
+        if theirs != self._database:
+            raise WorkflowError(
+                f"workflow: start_tx() got a connection to database {theirs!r}, but this "
+                f"manager's runs live in database {self._database!r}: start the run on a "
+                "connection to that database (or build the Manager on this one)"
+            )
 
     # Fast-path executions.
 
@@ -449,10 +541,16 @@ class Manager:
     def _wait(
         self, run_id: str, timeout: Duration | None, key: uuid.UUID | None = None
     ) -> Status:
+        limit = None if timeout is None else seconds(timeout, "timeout")
         self._check_usable()
         if key is None:
             key = _parse_id(run_id)
-        deadline = None if timeout is None else time.monotonic() + seconds(timeout, "timeout")
+        if executing(self._engine) == key:
+            raise WorkflowError(
+                f"workflow: wait() on run {run_id} from inside one of its own handlers: its "
+                "own run cannot end before the handler returns"
+            )
+        deadline = None if limit is None else time.monotonic() + limit
 
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -534,17 +632,25 @@ class Manager:
     # Workers and shutdown.
 
     def new_runnable(self, config: RunnerConfig | None = None) -> Runnable:
-        """A poller and sweeper over this manager; call `run()` or `start()` on it."""
+        """A poller and sweeper over this manager; call `run()` or `start()` on it.
+
+        Raises `WorkflowError` after `close()` or in a forked child.
+        """
         from workflow.runnable import Runnable
 
-        self._check_usable()
+        self._check_usable(runnable=True)
         runnable = Runnable(self, config or RunnerConfig())
         self._runnables.add(runnable)
         return runnable
 
     def _drain(self, timeout: float | None) -> bool:
-        """Stop launches, cancel in-flight attempts, await them; True when all ended."""
+        """Stop launches, cancel in-flight attempts, await them; True when all ended.
+
+        In a forked child there is nothing to await: the executions are the parent's.
+        """
         self._draining.set()
+        if self._forked:
+            return True
         for lease in self._heartbeat.leases():
             lease.cancel(SHUTDOWN)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -569,23 +675,34 @@ class Manager:
         caused by the shutdown is not counted, claims are released for immediate
         re-claim. Then the heartbeat stops and an owned pool is closed. With a
         borrowed pool `start` still inserts afterwards; the rows wait for a
-        poller. Idempotent.
+        poller; every other call raises `WorkflowError`. `timeout` bounds the
+        whole call, runnables included. Idempotent; in a forked child it waits
+        for nothing (the executions are the parent's). Raises `ValueError` for a
+        timeout that is not a finite duration, and `WorkflowError` when called
+        from inside a handler this manager executes.
         """
+        limit = None if timeout is None else seconds(timeout, "timeout")
         if self._closed:
             return
-        limit = None if timeout is None else seconds(timeout, "timeout")
+        if not self._forked:
+            self._refuse_inside_handler("close()")
         deadline = None if limit is None else time.monotonic() + limit
-        for runnable in list(self._runnables):
-            runnable.stop(limit)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not self._drain(left):
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        if not self._forked:
+            for runnable in list(self._runnables):
+                runnable.stop(left())
+        if not self._drain(left()):
             self._logger.warning(
                 "workflow: close() timed out with executions in flight; their claims will be "
                 "swept after sweep_max_age"
             )
         self._closed = True
         self._threads.shutdown(wait=False)
-        self._heartbeat.stop()
+        if not self._forked:
+            self._heartbeat.stop()
         self._store.close(forked=self._forked)
         if self._owns_pool and not self._forked:
             self._pool.close()

@@ -48,8 +48,10 @@ class Runnable:
             if self._settings.listen
             else None
         )
-        self._stopped = threading.Event()
+        self._stopped = threading.Event()  # stop() has begun: start() does nothing
+        self._done = threading.Event()  # stop() has drained: run() returns
         self._started = False
+        self._lock = threading.Lock()
 
     @property
     def sweeper(self) -> Sweeper | None:
@@ -57,34 +59,49 @@ class Runnable:
         return self._sweeper
 
     def start(self) -> None:
-        """Start the poller, sweeper and listener threads; returns at once."""
-        self._manager._check_usable()
-        if self._started:
-            return
-        self._started = True
-        for service in (self._listener, self._sweeper, self._poller):
-            if service is not None:
-                service.start()
+        """Start the poller, sweeper and listener threads; returns at once.
+
+        Safe from several threads at once (one set of services starts) and does
+        nothing after `stop()`. Raises `WorkflowError` when the manager is closed
+        or was built before a `fork()`.
+        """
+        self._manager._check_usable(runnable=True)
+        with self._lock:
+            if self._started or self._stopped.is_set():
+                return
+            self._started = True
+            for service in (self._listener, self._sweeper, self._poller):
+                if service is not None:
+                    service.start()
 
     def run(self) -> None:
-        """Start, then block until `stop()` is called (from another thread or a signal)."""
+        """Start, then block until `stop()` (from another thread or a signal) has drained."""
         self.start()
-        self._stopped.wait()
+        self._done.wait()
 
     def stop(self, timeout: Duration | None = None) -> bool:
         """Stop claiming, drain in-flight executions, stop the services.
 
-        Blocks until in-flight attempts end (or `timeout`); True when all ended.
+        Blocks until in-flight attempts end, or until `timeout` seconds in all;
+        True when all ended. Raises `ValueError` for a timeout that is not a
+        finite duration, and `WorkflowError` when called from inside a handler
+        this manager executes (it would wait for its own execution).
         """
         limit = None if timeout is None else seconds(timeout, "timeout")
+        self._manager._refuse_inside_handler("stop()")
         deadline = None if limit is None else time.monotonic() + limit
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        with self._lock:
+            self._stopped.set()
         for service in (self._listener, self._poller):
             if service is not None:
-                service.stop(limit)
-        drained = self._manager._drain(limit)
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        drained = self._poller.wait_idle(left) and drained
+                service.stop(left())
+        drained = self._manager._drain(left())
+        drained = self._poller.wait_idle(left()) and drained
         if self._sweeper is not None:
-            self._sweeper.stop(limit)
-        self._stopped.set()
+            self._sweeper.stop(left())
+        self._done.set()
         return drained

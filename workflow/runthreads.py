@@ -42,7 +42,11 @@ class RunThreads:
         _live.add(self)
 
     def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`."""
+        """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`.
+
+        The job is queued under the lock that checks for shutdown, so it is
+        queued ahead of the threads' stop markers or refused, never lost behind them.
+        """
         with self._lock:
             if self._closed:
                 raise RuntimeError("the fast path's threads are shut down")
@@ -59,7 +63,7 @@ class RunThreads:
                 thread.start()
                 self._threads.append(thread)
             # else all are busy: the next one back takes the job.
-        self._queue.put((fn, arg))
+            self._queue.put((fn, arg))
 
     def _serve(self) -> None:
         get = self._queue.get

@@ -43,6 +43,8 @@ __all__ = [
     "SchemaOutdated",
     "Store",
     "TaskRow",
+    "check_schema",
+    "current_database",
     "migrate",
     "schema_version",
     "storable",
@@ -433,10 +435,15 @@ class Store:
                 )
                 time.sleep(delay)
 
-    def check_schema(self) -> None:
-        """Raise `SchemaOutdated` when the database is behind `SCHEMA_VERSION`."""
+    def check_schema(self) -> tuple[str, str]:
+        """Raise `SchemaOutdated` when the database is behind `SCHEMA_VERSION`.
+
+        Returns the database's name as the pool's connections give it and as
+        the server knows it (they differ behind an alias).
+        """
         with self._conn() as conn:
             check_schema(conn)
+            return conn.info.dbname, current_database(conn)
 
     def insert_run(
         self, conn: psycopg.Connection[Any] | None, params: dict[str, Any]
@@ -452,7 +459,14 @@ class Store:
         if conn is None:
             rows = self._run("insert_run", {**params, "key_wait": KEY_WAIT}, "inserted_run")
         else:
-            rows = _execute(conn, "insert_run", {**params, "key_wait": None})
+            try:
+                rows = _execute(conn, "insert_run", {**params, "key_wait": None})
+            except psycopg.errors.UndefinedTable as e:
+                raise WorkflowError(
+                    f"workflow: start_tx(): database {conn.info.dbname!r} has no pgworkflow "
+                    "tables; run `python -m workflow migrate` on it, or start the run on a "
+                    "connection to the manager's database"
+                ) from e
         return rows[0][0] if rows else None
 
     def find_idempotent_run(
@@ -594,6 +608,12 @@ class Store:
         conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
         conn.execute(_Q["listen"])
         return conn
+
+
+def current_database(conn: psycopg.Connection[Any]) -> str:
+    """The name of the database `conn` is connected to, as the server knows it."""
+    name: str = _execute(conn, "current_database", {})[0][0]
+    return name
 
 
 def create_database(conn: psycopg.Connection[Any], name: str) -> bool:

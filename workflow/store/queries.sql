@@ -212,6 +212,11 @@ WHERE r.id = %(id)s;
 SELECT workflow, input, input_sealed FROM workflow_runs WHERE id = %(id)s;
 
 
+-- name: current_database
+-- The database this session is connected to, as the server names it.
+SELECT current_database();
+
+
 -- name: listen
 -- Subscribe this session to the wake-up channel (the listener's own connection).
 LISTEN workflow_runs;
