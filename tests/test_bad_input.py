@@ -820,3 +820,182 @@ def test_executor_parks_a_run_whose_sealed_document_does_not_open(
 def _manager(make_manager: Any, logger: logging.Logger, **config: Any) -> workflow.Manager:
     """A manager per example (each example's runs are independent)."""
     return make_manager(_exec_registry(), workflow.Config(**config), logger=logger)  # type: ignore[no-any-return]
+
+
+# --- Issue 13: keys, names, shapes and databases the schema cannot carry ----------------
+
+DictWf = workflow.Workflow("Bad.Dict", dict)
+ListWf = workflow.Workflow("Bad.List", list)
+
+
+def registry_with_containers() -> workflow.Registry:
+    reg = registry()
+    reg.register(workflow.define(DictWf, workflow.handle(step, _ok)))
+    reg.register(workflow.define(ListWf, workflow.handle(step, _ok)))
+    return reg
+
+
+UNSTORABLE_KEYS = [
+    pytest.param("order\x00-7", id="nul"),
+    pytest.param(b"caf\xe9".decode("utf-8", "surrogateescape"), id="lone-surrogate"),
+    pytest.param("k" * 1025, id="too-long"),
+    pytest.param("é" * 513, id="too-long-in-utf8"),
+]
+
+
+@pytest.mark.parametrize("key", UNSTORABLE_KEYS)
+def test_an_idempotency_key_the_index_cannot_carry_is_an_encode_error_before_any_sql(
+    mgr: workflow.Manager, db: psycopg.Connection[Any], db_url: str, key: str
+) -> None:
+    value = Transfer("a", 1)
+    with pytest.raises(EncodeError, match="idempotency_key"):
+        TransferWf.start(mgr, value, idempotency_key=key)
+    with psycopg.connect(db_url) as conn, conn.transaction():
+        with pytest.raises(EncodeError, match="idempotency_key"):
+            TransferWf.start_tx(conn, mgr, value, idempotency_key=key)
+        conn.execute("SELECT 1")  # the caller's transaction is still usable
+    assert counts(db) == (0, 0)
+
+
+def test_the_longest_idempotency_key_is_accepted(
+    mgr: workflow.Manager, db: psycopg.Connection[Any]
+) -> None:
+    key = "k" * 1024
+    run = TransferWf.start(mgr, Transfer("a", 1), idempotency_key=key)
+    assert run.wait(timeout=20) is workflow.Status.SUCCEEDED
+    assert TransferWf.start(mgr, Transfer("a", 1), idempotency_key=key) == run
+
+
+@pytest.mark.parametrize(
+    ("name", "words"),
+    [
+        pytest.param("W" * 256, "255", id="too-long"),
+        pytest.param("é" * 128, "255", id="too-long-in-utf8"),
+        pytest.param("Bad\x00Name", "NUL", id="nul"),
+        pytest.param("Bad\ud800", "surrogate", id="lone-surrogate"),
+    ],
+)
+def test_a_workflow_name_the_schema_cannot_carry_is_refused(name: str, words: str) -> None:
+    with pytest.raises(workflow.RegistrationError, match=words):
+        workflow.Registry().register(
+            workflow.define(workflow.Workflow(name, str), workflow.handle(step, _ok))
+        )
+
+
+@pytest.mark.parametrize("name", ["bad\x00task", "t" * 256, "\udc80"])
+def test_a_task_name_the_schema_cannot_carry_is_refused(name: str) -> None:
+    with pytest.raises(workflow.RegistrationError, match="task name"):
+        workflow.Registry().register(
+            workflow.define(
+                workflow.Workflow("Fine", str), workflow.handle(workflow.Task(name), _ok)
+            )
+        )
+
+
+def _nested(depth: int) -> list[Any]:
+    value: list[Any] = []
+    inner = value
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return value
+
+
+def test_an_input_nested_too_deep_is_an_encode_error(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    mgr = make_manager(registry_with_containers())
+    with pytest.raises(EncodeError, match="deep"):
+        ListWf.start(mgr, _nested(5000))
+    assert counts(db) == (0, 0)
+
+
+def test_dict_keys_that_collide_once_encoded_are_an_encode_error(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    mgr = make_manager(registry_with_containers())
+    with pytest.raises(EncodeError, match="'1'"):
+        DictWf.start(mgr, {1: "a", "1": "b"})
+    with pytest.raises(EncodeError, match="key"):
+        DictWf.start(mgr, {"x": {True: 1, "true": 2}})
+    assert counts(db) == (0, 0)
+
+
+def test_start_tx_on_a_connection_to_another_database_names_both(
+    mgr: workflow.Manager, db: psycopg.Connection[Any], pg_url: str, template_db: str
+) -> None:
+    from conftest import create_database, drop_database, with_dbname
+
+    other = create_database(pg_url, template_db)  # migrated: the tables are there too
+    try:
+        with psycopg.connect(with_dbname(pg_url, other)) as conn:
+            with conn.transaction():
+                with pytest.raises(workflow.WorkflowError) as info:
+                    TransferWf.start_tx(conn, mgr, Transfer("a", 1))
+                message = str(info.value)
+                assert other in message and db.info.dbname in message
+            row = conn.execute("SELECT count(*) FROM workflow_runs").fetchone()
+            assert row == (0,), "the run was committed in the other database"
+    finally:
+        drop_database(pg_url, other)
+    assert counts(db) == (0, 0)
+
+
+def test_start_tx_on_a_connection_to_an_unmigrated_database_says_so(
+    mgr: workflow.Manager, empty_db_url: str
+) -> None:
+    with (
+        psycopg.connect(empty_db_url) as conn,
+        conn.transaction(),
+        pytest.raises(workflow.WorkflowError, match="start_tx"),
+    ):
+        TransferWf.start_tx(conn, mgr, Transfer("a", 1))
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        pytest.param(
+            "postgresql://postgres@127.0.0.1:1/postgres", "cannot connect", id="no-server"
+        ),
+        pytest.param("not a url at all ===", "invalid database URL", id="malformed"),
+    ],
+)
+def test_manager_on_a_database_it_cannot_reach_raises_with_the_reason_at_once(
+    url: str, words: str
+) -> None:
+    import time
+
+    began = time.monotonic()
+    with pytest.raises(workflow.WorkflowError, match=words):
+        workflow.Manager(url, registry())
+    assert time.monotonic() - began < 15
+
+
+def test_manager_on_a_missing_database_names_it(pg_url: str) -> None:
+    from conftest import with_dbname
+
+    missing = f"workflow_missing_{uuid.uuid4().hex[:8]}"
+    with pytest.raises(workflow.WorkflowError, match=missing):
+        workflow.Manager(with_dbname(pg_url, missing), registry())
+
+
+INFINITE_DURATIONS = [float("inf"), 1e300, datetime.timedelta.max]
+
+
+@pytest.mark.parametrize("value", INFINITE_DURATIONS, ids=["inf", "1e300", "timedelta.max"])
+@pytest.mark.parametrize(
+    "field",
+    ["default_task_timeout", "backoff_base", "backoff_max", "max_in_process_backoff",
+     "sweep_max_age"],
+)
+def test_config_refuses_durations_out_of_range(field: str, value: Any) -> None:
+    with pytest.raises(workflow.ConfigError, match=field):
+        workflow.Config(**{field: value})
+
+
+@pytest.mark.parametrize("value", INFINITE_DURATIONS, ids=["inf", "1e300", "timedelta.max"])
+@pytest.mark.parametrize("field", ["poll_interval", "sweep_interval"])
+def test_runner_config_refuses_durations_out_of_range(field: str, value: Any) -> None:
+    with pytest.raises(workflow.ConfigError, match=field):
+        workflow.RunnerConfig(**{field: value})

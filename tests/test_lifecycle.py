@@ -139,7 +139,7 @@ def test_a_deadline_seen_late_does_not_cancel_the_next_attempt() -> None:
     """The heartbeat reads an attempt's deadline, the attempt ends and the next begins,
     then the heartbeat acts on what it read: the new attempt must not start cancelled."""
     lease = Lease(workflow_run_id(), workflow_run_id())
-    first = lease.begin_attempt(time.monotonic() - 1)  # this attempt is past its deadline
+    lease.begin_attempt(time.monotonic() - 1)  # this attempt is past its deadline
     seen = time.monotonic()  # what the heartbeat read
     lease.end_attempt()
     second = lease.begin_attempt(time.monotonic() + 60)
@@ -375,14 +375,17 @@ def test_start_with_a_key_held_by_this_threads_open_transaction_raises_instead_o
     outcome: dict[str, Any] = {}
 
     def start_twice() -> None:
-        with psycopg.connect(db_url) as conn, contextlib.suppress(psycopg.Error):
-            with conn.transaction():
-                wf.start_tx(conn, mgr, Inp(1), idempotency_key="order-7")
-                try:
-                    wf.start(mgr, Inp(1), idempotency_key="order-7")
-                    outcome["raised"] = None
-                except workflow.WorkflowError as e:
-                    outcome["raised"] = str(e)
+        with (
+            psycopg.connect(db_url) as conn,
+            contextlib.suppress(psycopg.Error),
+            conn.transaction(),
+        ):
+            wf.start_tx(conn, mgr, Inp(1), idempotency_key="order-7")
+            try:
+                wf.start(mgr, Inp(1), idempotency_key="order-7")
+                outcome["raised"] = None
+            except workflow.WorkflowError as e:
+                outcome["raised"] = str(e)
 
     thread = threading.Thread(target=start_twice, daemon=True)
     thread.start()

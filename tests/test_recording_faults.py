@@ -206,7 +206,7 @@ def test_a_task_retried_past_1024_attempts_waits_its_capped_delay(
 def test_the_registry_refuses_delays_and_timeouts_out_of_range(step_options: Any) -> None:
     reg = workflow.Registry()
     wf = workflow.Workflow("W", Inp)
-    with pytest.raises(workflow.RegistrationError, match="292 years|infinite|beyond"):
+    with pytest.raises(workflow.RegistrationError, match=r"292 years|infinite|beyond"):
         reg.register(workflow.define(wf, workflow.handle(A, lambda run: Out("x"), **step_options)))
 
 

@@ -1,7 +1,9 @@
 """`python -m workflow.worker`: usage errors, start-up failures and a clean stop (SPEC 6, 11).
 
 Every start-up failure is exactly one line on stderr, no traceback: exit 2 for a
-usage error, 1 for a bad `--app`, an unreachable database or an outdated schema.
+usage error, a bad `--app` included (no such module or attribute, a factory that
+returns something else); 1 for an application whose own import or factory
+raises, an unreachable database or an outdated schema.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ def test_a_bogus_log_level_exits_2() -> None:
     assert "chatty" in line
 
 
-# --- A bad --app: exit 1 -------------------------------------------------------------
+# --- A bad --app: exit 2; an application that fails to load: exit 1 -------------------
 
 
 @pytest.mark.parametrize(
@@ -109,17 +111,32 @@ def test_a_bogus_log_level_exits_2() -> None:
         ("no_such_package.apps:registry", "no module named 'no_such_package'"),
         ("tests.worker_apps.three_tasks:no_such_factory", "has no attribute 'no_such_factory'"),
         ("tests.worker_apps.bad:not_a_registry", "returned 42 (type int), not a workflow.Registry"),
+        ("tests.worker_apps.bad:NOT_CALLABLE", "not a workflow.Registry"),
+        ("tests.worker_apps.bad:app_with_a_bad_registry", "not a workflow.Registry"),
+    ],
+)
+def test_a_bad_app_is_a_usage_error_one_line_and_exit_2(
+    db_url: str, spec: str, expected: str
+) -> None:
+    line = one_line(run_worker("--app", spec, "--database-url", db_url), 2)
+    assert expected in line
+    assert line.startswith("workflow: --app ")
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
         ("tests.worker_apps.bad:explodes", "RuntimeError: the factory could not read"),
         (
             "tests.worker_apps.broken_import:registry",
             "importing 'tests.worker_apps.broken_import' failed: ModuleNotFoundError: "
             "No module named 'a_dependency_that_is_not_installed'",
         ),
-        ("tests.worker_apps.bad:NOT_CALLABLE", "not a workflow.Registry"),
-        ("tests.worker_apps.bad:app_with_a_bad_registry", "not a workflow.Registry"),
     ],
 )
-def test_a_bad_app_is_one_line_and_exit_1(db_url: str, spec: str, expected: str) -> None:
+def test_an_app_whose_own_code_fails_is_one_line_and_exit_1(
+    db_url: str, spec: str, expected: str
+) -> None:
     line = one_line(run_worker("--app", spec, "--database-url", db_url), 1)
     assert expected in line
     assert line.startswith("workflow: --app ")
@@ -291,4 +308,4 @@ def test_the_current_directory_is_importable_even_when_python_leaves_it_off_the_
         text=True,
         timeout=60,
     )
-    assert "returned 42" in one_line(proc, 1)
+    assert "returned 42" in one_line(proc, 2)

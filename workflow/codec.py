@@ -115,6 +115,26 @@ _dumps = json.JSONEncoder(
 ).encode
 
 
+class _DuplicateKey(ValueError):
+    """Two members of one encoded object have the same key."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refusing two with one key: JSON makes a dict's keys text,
+    so `{1: "a", "1": "b"}` would otherwise keep only one of its values."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _DuplicateKey(f"two keys of one object both encode as {key!r}")
+            seen.add(key)
+    return members
+
+
+_parse_encoded = json.JSONDecoder(object_pairs_hook=_unique_keys).decode
+
+
 def encode(value: Any, tp: Any) -> str:
     """JSON text for `value` as type `tp`.
 
@@ -139,16 +159,25 @@ def encode_document(value: Any, tp: Any) -> tuple[str, Any, Any]:
     try:
         text = _dumps(_converter.unstructure(value, unstructure_as=tp))
         text.encode("utf-8")  # an unpaired surrogate cannot be sent to PostgreSQL
+        document = _parse_encoded(text)
+    except RecursionError:
+        raise EncodeError(f"cannot encode {_name(tp)}: the value is nested too deep") from None
+    except _DuplicateKey as e:
+        raise EncodeError(f"cannot encode {_name(tp)}: {e}") from None
     except Exception as e:
-        where = _find_unencodable(value, _name(tp))
+        try:
+            where = _find_unencodable(value, _name(tp))
+        except RecursionError:
+            where = "a value nested too deep to say which"
         raise EncodeError(f"cannot encode {_name(tp)}: {where}: {e}") from e
-    document = json.loads(text)
     if "\\u0000" in text:
         unstorable = _unstorable(document, _name(tp))
         if unstorable is not None:
             raise EncodeError(f"cannot encode {_name(tp)}: PostgreSQL cannot store {unstorable}")
     try:
         decoded = _converter.structure(document, tp)
+    except RecursionError:
+        raise EncodeError(f"cannot encode {_name(tp)}: the value is nested too deep") from None
     except Exception as e:
         raise EncodeError(
             f"cannot encode {_name(tp)}: the value would not decode back: {_explain(e)}"

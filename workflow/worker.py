@@ -12,8 +12,10 @@ The URL defaults to `$WORKFLOW_DATABASE_URL`.
 The worker builds a `Manager` over a pool of its own and runs one `Runnable` until
 SIGTERM or SIGINT, which drains it (in-flight attempts finish and are recorded,
 claims are released) and exits 0; a second signal exits at once. Exit codes: 0
-after a drain, 1 for a bad `--app`, an unreachable database or an outdated schema,
-2 for a usage error. Each failure is exactly one line on stderr, no traceback.
+after a drain; 2 for a usage error, a bad `--app` included (no such module or
+attribute, or a factory that returns something else); 1 for the rest (the
+application's import or factory raising, an unreachable database, an outdated
+schema). Each failure is exactly one line on stderr, no traceback.
 
 `--no-listen` is for a transaction-mode pooler (PgBouncer): it also turns off
 psycopg's server-side prepared statements (`prepare_threshold=None`), which
@@ -202,7 +204,13 @@ def _parser() -> _Parser:
 
 
 def _import_app(module_name: str, attr: str) -> App:
-    """Import `module_name`, resolve `attr`, call it if needed; `_Failure` when anything is off."""
+    """Import `module_name`, resolve `attr`, call it if needed.
+
+    `_UsageError` (exit 2) when the spec names nothing usable: no such module or
+    attribute, or something that is not (and does not return) a Registry or an
+    App. `_Failure` (exit 1) when the application's own code fails: its import
+    raises, or its factory does.
+    """
     spec = f"{module_name}:{attr}"
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
@@ -212,7 +220,7 @@ def _import_app(module_name: str, attr: str) -> App:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
-            raise _Failure(
+            raise _UsageError(
                 f"workflow: --app {spec}: no module named {missing!r} (run from the "
                 "project's root directory or put it on PYTHONPATH)"
             ) from None
@@ -230,12 +238,12 @@ def _import_app(module_name: str, attr: str) -> App:
         try:
             target = getattr(target, part)
         except AttributeError:
-            raise _Failure(
+            raise _UsageError(
                 f"workflow: --app {spec}: module {module_name!r} has no attribute {attr!r}"
             ) from None
     if not isinstance(target, (Registry, App)):
         if not callable(target):
-            raise _Failure(
+            raise _UsageError(
                 f"workflow: --app {spec}: {attr} is {reprlib.repr(target)} (type "
                 f"{type(target).__name__}), not a workflow.Registry, a workflow.App, or a "
                 "callable returning one"
@@ -248,28 +256,28 @@ def _import_app(module_name: str, attr: str) -> App:
                 f"{_one_line(exc)}{_where(exc)}"
             ) from None
         if not isinstance(target, (Registry, App)):
-            raise _Failure(
+            raise _UsageError(
                 f"workflow: --app {spec}: {attr}() returned {reprlib.repr(target)} "
                 f"(type {type(target).__name__}), not a workflow.Registry or a workflow.App"
             )
     app = target if isinstance(target, App) else App(target)
     if not isinstance(app.registry, Registry):
-        raise _Failure(
+        raise _UsageError(
             f"workflow: --app {spec}: the App's registry is a {type(app.registry).__name__}, "
             "not a workflow.Registry"
         )
     if app.config is not None and not isinstance(app.config, Config):
-        raise _Failure(
+        raise _UsageError(
             f"workflow: --app {spec}: the App's config is a {type(app.config).__name__}, "
             "not a workflow.Config"
         )
     if app.logger is not None and not isinstance(app.logger, logging.Logger):
-        raise _Failure(
+        raise _UsageError(
             f"workflow: --app {spec}: the App's logger is a {type(app.logger).__name__}, "
             "not a logging.Logger"
         )
     if not app.registry.names():
-        raise _Failure(f"workflow: --app {spec}: the registry has no workflows registered")
+        raise _UsageError(f"workflow: --app {spec}: the registry has no workflows registered")
     return app
 
 
@@ -469,9 +477,9 @@ def main(argv: list[str] | None = None) -> int:
 
     Call it from the main thread: it blocks until SIGTERM or SIGINT, then drains
     and returns 0 (a second signal ends the process at once, with status 130
-    after SIGINT, 1 after SIGTERM). Returns 1 for a bad `--app`, an unreachable
-    database or an outdated schema, 2 for a usage error, each after one line on
-    stderr.
+    after SIGINT, 1 after SIGTERM). Returns 2 for a usage error (a bad `--app`
+    included), 1 for an application that fails to load, an unreachable database
+    or an outdated schema, each after one line on stderr.
     """
     if threading.current_thread() is not threading.main_thread():
         print(f"{PROG}: main() must run in the main thread (it handles signals)", file=sys.stderr)
