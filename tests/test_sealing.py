@@ -544,3 +544,132 @@ def test_a_sealed_run_resumes_in_a_worker_process_with_the_key(
     assert [(o["actor"], o["request_id"], o["item"]) for (o,) in outputs] == [
         ("mia", secret, "sealed item")
     ] * 2
+
+
+# --- Sealed means sealed, in error texts too (issue 13) ------------------------------
+
+import datetime  # noqa: E402
+import enum  # noqa: E402
+from contextvars import ContextVar  # noqa: E402
+
+
+class Tier(enum.Enum):
+    GOLD = "gold"
+
+
+@attrs.frozen
+class SignupV1:
+    email: str
+    tags: dict[str, str]
+    card: str
+
+
+@attrs.frozen
+class SignupV2:
+    """A later deploy's input type: every field changed so the stored input fails in it."""
+
+    email: datetime.datetime
+    tags: dict[str, int]
+    card: Tier
+
+
+@attrs.frozen
+class WhoV1:
+    actor: dict[str, str]
+
+
+@attrs.frozen
+class WhoV2:
+    actor: dict[str, datetime.date]
+
+
+WHO: ContextVar[Any] = ContextVar("test_sealing_who", default=None)
+
+
+class WhoPropagator:
+    def __init__(self, snapshot_type: type) -> None:
+        self.snapshot_type = snapshot_type
+
+    def capture(self) -> Any:
+        return WHO.get()
+
+    def restore(self, snapshot: Any) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+
+PII = ("alice@example.com", "bob@example.org", "4111111111111111", "carol@example.net")
+SIGNUP = SignupV1(email=PII[0], tags={PII[1]: "vip"}, card=PII[2])
+
+
+def signup_registry(input_type: type) -> tuple[workflow.Registry, Any]:
+    wf = workflow.Workflow("sealed.Signup", input_type)
+    reg = workflow.Registry()
+    reg.register(workflow.define(wf, workflow.handle(workflow.Task("sealed.welcome"),
+                                                     lambda run: None)))
+    return reg, wf
+
+
+def assert_no_pii(text: str, where: str) -> None:
+    for value in PII:
+        assert value not in text, f"{value!r} in {where}: {text}"
+
+
+def all_log_text(records: list[logging.LogRecord]) -> str:
+    formatter = logging.Formatter("%(levelname)s %(message)s")
+    return "\n".join(formatter.format(record) for record in records)
+
+
+@pytest.mark.parametrize("document", ["input", "context"])
+def test_a_sealed_document_that_no_longer_decodes_leaves_no_value_in_any_error(
+    make_manager: Any, db: psycopg.Connection[Any], logs: Any, document: str
+) -> None:
+    """The error says which type and field failed, never what the value was: not in the
+    database, not in `Failure.error`, not in any log record, not in `input()`'s error."""
+    logger, records = logs
+    cipher = workflow.AESGCMCipher([KEY_A])
+    old_reg, old_wf = signup_registry(SignupV1)
+    new_input = SignupV2 if document == "input" else SignupV1
+    new_reg, new_wf = signup_registry(new_input)
+    old = make_manager(old_reg, workflow.Config(
+        cipher=cipher, context=workflow.propagate(WhoPropagator(WhoV1))))
+    new = make_manager(new_reg, workflow.Config(
+        cipher=cipher, context=workflow.propagate(WhoPropagator(WhoV2))), logger=logger)
+    token = WHO.set(WhoV1(actor={PII[3]: "not a date"}))
+    try:
+        with db.transaction():
+            run = old_wf.start_tx(db, old, SIGNUP)
+    finally:
+        WHO.reset(token)
+
+    assert new.run(run.id).wait(timeout=WAIT) is workflow.Status.PARKED
+    failure = new.run(run.id).status().failure
+    assert failure is not None and failure.attempts == 0
+    assert_no_pii(failure.error, "Failure.error")
+    assert ("SignupV2" if document == "input" else "WhoV2") in failure.error
+    assert ("email" if document == "input" else "actor") in failure.error
+    for row in dump(db):
+        assert_no_pii(row, "the database")
+    assert records.alerts(), "the park was not logged at ALERT"
+    assert_no_pii(all_log_text(records.records), "the logs")
+    if document == "input":
+        with pytest.raises(workflow.DecodeError) as info:
+            new_wf.input(new, run.id)
+        import traceback
+
+        shown = "".join(traceback.format_exception(info.value))
+        assert_no_pii(shown, "input()'s error and its chain")
+        assert "SignupV2" in str(info.value)
+
+
+def test_a_plain_document_that_no_longer_decodes_still_says_what_was_wrong(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """Unsealed, the full explanation stays: nothing was hidden at rest either."""
+    old_reg, old_wf = signup_registry(SignupV1)
+    new_reg, _ = signup_registry(SignupV2)
+    old, new = make_manager(old_reg), make_manager(new_reg)
+    with db.transaction():
+        run = old_wf.start_tx(db, old, SIGNUP)
+    assert new.run(run.id).wait(timeout=WAIT) is workflow.Status.PARKED
+    failure = new.run(run.id).status().failure
+    assert failure is not None and PII[1] in failure.error

@@ -203,46 +203,58 @@ def _hints(tp: type) -> dict[str, Any]:
     return typing.get_type_hints(tp)
 
 
-def _check_shape(document: Any, tp: Any, path: str) -> None:
+class _ShapeError(TypeError):
+    """A JSON value of the wrong kind for its type (its message names kinds, not values)."""
+
+
+def _check_shape(document: Any, tp: Any, path: str, keys: bool = True) -> None:
     """Refuse a JSON value whose container kind does not fit `tp`.
 
     cattrs iterates whatever it is given: a string or an object's keys would become
-    a list.
+    a list. `keys=False` leaves a map's keys out of the paths in its messages
+    (they are data, which a sealed document must not leak).
     """
     origin = typing.get_origin(tp) or tp
     args = typing.get_args(tp)
     if origin in _ARRAYS:
         if not isinstance(document, list):
-            raise TypeError(f"{path}: expected an array, not {_json_type(document)}")
+            raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
             if len(document) != len(args):
-                raise TypeError(f"{path}: expected {len(args)} items, not {len(document)}")
+                raise _ShapeError(f"{path}: expected {len(args)} items, not {len(document)}")
             for i, (item, arg) in enumerate(zip(document, args, strict=True)):
-                _check_shape(item, arg, f"{path}[{i}]")
+                _check_shape(item, arg, f"{path}[{i}]", keys)
         elif args:
             for i, item in enumerate(document):
-                _check_shape(item, args[0], f"{path}[{i}]")
+                _check_shape(item, args[0], f"{path}[{i}]", keys)
     elif origin in _OBJECTS:
         if not isinstance(document, dict):
-            raise TypeError(f"{path}: expected an object, not {_json_type(document)}")
+            raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
         if len(args) == 2:
             for key, item in document.items():
-                _check_shape(item, args[1], f"{path}[{key!r}]")
+                _check_shape(item, args[1], f"{path}[{key!r}]" if keys else f"{path}[...]", keys)
     elif isinstance(tp, type) and _is_record(tp):
         if not isinstance(document, dict):
-            raise TypeError(f"{path}: expected an object, not {_json_type(document)}")
+            raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
         hints = _hints(tp)
         for key, item in document.items():
             if key in hints:
-                _check_shape(item, hints[key], f"{path}.{key}")
+                _check_shape(item, hints[key], f"{path}.{key}", keys)
 
 
-def decode(document: Any, tp: Any) -> Any:
-    """Build a `tp` from an already parsed JSON document; `DecodeError` on any mismatch."""
+def decode(document: Any, tp: Any, *, redact: bool = False) -> Any:
+    """Build a `tp` from an already parsed JSON document; `DecodeError` on any mismatch.
+
+    `redact=True` (for a document that was sealed) says only where and against
+    which type decoding failed, never a value: no map key in a path, no message
+    of the failing conversion (which may quote its input), and no exception chain.
+    """
     try:
-        _check_shape(document, tp, "$")
+        _check_shape(document, tp, "$", keys=not redact)
         return _converter.structure(document, tp)
     except Exception as e:
+        if redact:
+            raise DecodeError(f"cannot decode {_name(tp)}: {_redacted(e)}") from None
         raise DecodeError(f"cannot decode {_name(tp)}: {_explain(e)}") from e
 
 
@@ -269,6 +281,32 @@ def _explain(e: Exception) -> str:
     if isinstance(e, (cattrs.BaseValidationError)):
         return "; ".join(cattrs.transform_error(e))
     return f"{type(e).__name__}: {e}"
+
+
+def _redacted(e: BaseException) -> str:
+    """Where and against which type each leaf of a decoding error failed, with no value."""
+    return "; ".join(_redacted_leaves(e, "$", None))
+
+
+def _redacted_leaves(e: BaseException, path: str, expected: Any) -> list[str]:
+    if isinstance(e, (cattrs.ClassValidationError, cattrs.IterableValidationError)):
+        leaves: list[str] = []
+        with_notes, without = e.group_exceptions()
+        for inner, note in with_notes:
+            if isinstance(note, cattrs.AttributeValidationNote):
+                where = f"{path}.{note.name}"
+            else:
+                where = f"{path}[...]"  # a list index or a map key: a key is data
+            leaves += _redacted_leaves(inner, where, note.type)
+        for inner in without:
+            leaves += _redacted_leaves(inner, path, expected)
+        return leaves
+    if isinstance(e, cattrs.BaseValidationError):
+        return [leaf for inner in e.exceptions for leaf in _redacted_leaves(inner, path, expected)]
+    if isinstance(e, _ShapeError):
+        return [str(e)]  # a path (keys left out) and JSON kinds: no value
+    wanted = "" if expected is None else f"expected {_name(expected)}, "
+    return [f"{path}: {wanted}failed with {type(e).__name__}"]
 
 
 def _find_unencodable(value: Any, path: str) -> str:

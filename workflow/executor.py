@@ -395,7 +395,11 @@ class _Execution:
                 self.run_row.input, self.run_row.input_sealed, self.run_row.id,
                 self.engine.cipher, "input",
             )
-            return codec.decode(document, definition.workflow.input_type)
+            # Sealed means no value may reach the error text (it is stored and logged).
+            return codec.decode(
+                document, definition.workflow.input_type,
+                redact=self.run_row.input_sealed is not None,
+            )
         except DecodeError as e:
             self.park(first, f"the run's input no longer opens: {e}")
 
@@ -412,7 +416,9 @@ class _Execution:
             document = open_document(
                 plain, run.context_sealed, run.id, self.engine.cipher, "calling context"
             )
-            snapshot = propagation.decode_snapshot(document)
+            snapshot = propagation.decode_snapshot(
+                document, redact=run.context_sealed is not None
+            )
         except DecodeError as e:
             self.park(first, f"the run's calling context no longer opens: {e}")
         return lambda: propagation.propagator.restore(snapshot)

@@ -19,7 +19,7 @@ from workflow import codec
 from workflow.config import Config, RunnerConfig, Settings
 from workflow.definition import Definition, Registry, Workflow
 from workflow.durations import Duration, seconds
-from workflow.errors import ConfigError, DecodeError, EncodeError, RunNotFound, WorkflowError
+from workflow.errors import ConfigError, EncodeError, RunNotFound, WorkflowError
 from workflow.executor import Engine, Job, execute, executing
 from workflow.heartbeat import SHUTDOWN, Heartbeat
 from workflow.run import Failure, Run, RunStatus, Status
@@ -624,10 +624,7 @@ class Manager:
         if row is None or row[0] != wf.name:
             raise RunNotFound(f"no run of workflow {wf.name!r} has id {run_id!r}")
         document = open_document(row[1], row[2], key, self._config.cipher, "input")
-        try:
-            return codec.decode(document, wf.input_type)
-        except DecodeError:
-            raise
+        return codec.decode(document, wf.input_type, redact=row[2] is not None)
 
     # Workers and shutdown.
 

@@ -70,9 +70,12 @@ class Propagation(Generic[T]):
         """The current context as JSON text (`EncodeError` when it cannot be encoded)."""
         return codec.encode(self.propagator.capture(), self.snapshot_type)
 
-    def decode_snapshot(self, document: Any) -> T:
-        """A stored snapshot, decoded (`DecodeError` when it no longer decodes)."""
-        snapshot: T = codec.decode(document, self.snapshot_type)
+    def decode_snapshot(self, document: Any, *, redact: bool = False) -> T:
+        """A stored snapshot, decoded (`DecodeError` when it no longer decodes).
+
+        `redact`: the snapshot was sealed, so the error names no value.
+        """
+        snapshot: T = codec.decode(document, self.snapshot_type, redact=redact)
         return snapshot
 
 
