@@ -1,0 +1,279 @@
+"""SPEC 9 invariants 1, 4 and 8 when a reply is lost after the server committed.
+
+A real TCP proxy (`replyproxy.py`) sits between the engine's pool and PostgreSQL,
+lets one statement commit, then drops its reply and the connection: what a
+failover or a cut network does. The store retries the statement on a new
+connection, and each statement must recognise its own earlier success:
+
+- a claim (by id, or a poller's batch) re-selects what its lost try claimed, so
+  nothing stays claimed by a claim id no executor knows (to be swept and charged
+  an attempt that never ran);
+- a keyed insert on the fast path recognises its own row instead of taking it
+  for another start's duplicate and launching nothing;
+- a failed attempt is counted once, not once per try;
+- a park, a finish and a release that let go of the claim are recognised as this
+  executor's (the ALERT of a park is logged; no "claim lost").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import Inp, Out, Records, registry, wait_until
+from psycopg_pool import ConnectionPool
+from replyproxy import ReplyProxy
+
+import workflow
+from workflow import Status
+
+pytestmark = pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+
+A = workflow.Task("a", Out)
+B = workflow.Task("b", Out)
+
+# Text of the engine's statements, as sent (the same in the old and new SQL).
+CLAIM_BATCH = "AND workflow = ANY("
+CLAIM_BY_ID = "WHERE id = $1 AND claim_id IS NULL AND finished_at IS NULL"
+INSERT = "INSERT INTO workflow_runs"
+FAILURE = "error_code = $"
+OUTPUT = "SET output = $"
+RELEASE = "SET claim_id = NULL, heartbeat_at = NULL"
+
+
+@pytest.fixture
+def proxy(db: psycopg.Connection[Any]) -> Iterator[ReplyProxy]:
+    with ReplyProxy(db.info.host, db.info.port) as p:
+        yield p
+
+
+@pytest.fixture
+def proxied_pool(proxy: ReplyProxy, db_url: str) -> Iterator[ConnectionPool[Any]]:
+    """The engine's pool, through the proxy; every statement parsed afresh (its text seen)."""
+    pool: ConnectionPool[Any] = ConnectionPool(
+        proxy.url_for(db_url),
+        min_size=1,
+        max_size=4,
+        kwargs={"autocommit": True, "prepare_threshold": None},
+        open=True,
+    )
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def manager(
+    proxied_pool: ConnectionPool[Any], logs: tuple[logging.Logger, Records]
+) -> Iterator[Any]:
+    built: list[workflow.Manager] = []
+
+    def make(reg: workflow.Registry, config: workflow.Config | None = None) -> workflow.Manager:
+        mgr = workflow.Manager(proxied_pool, reg, config, logger=logs[0])
+        built.append(mgr)
+        return mgr
+
+    yield make
+    for mgr in built:
+        mgr.close(timeout=10)
+
+
+class Calls:
+    def __init__(self) -> None:
+        self.attempts: list[int] = []
+        self.lock = threading.Lock()
+
+    def add(self, attempt: int) -> None:
+        with self.lock:
+            self.attempts.append(attempt)
+
+
+def succeeding(calls: Calls) -> Any:
+    def fn(run: workflow.TaskRun[Inp]) -> Out:
+        calls.add(run.attempt)
+        return Out("ok")
+
+    return fn
+
+
+def tasks(db: psycopg.Connection[Any], run_id: str) -> list[tuple[Any, ...]]:
+    return db.execute(
+        "SELECT seq, attempts, error FROM workflow_tasks WHERE run_id = %s ORDER BY seq",
+        (run_id,),
+    ).fetchall()
+
+
+def no_claim_lost(records: Records) -> None:
+    lost = [m for m in records.messages() if "claim lost" in m]
+    assert not lost, lost
+
+
+# --- claims ----------------------------------------------------------------------------
+
+
+def test_a_poller_claim_whose_reply_is_lost_executes_what_it_claimed(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    """max_attempts=1: a stranded claim would be swept and charged an attempt that never
+    ran, parking the run "already spent its 1 attempts" with its handler never called."""
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls), max_attempts=1, timeout=1))
+    mgr = manager(reg, workflow.Config(sweep_max_age=3, max_in_process_backoff=0))
+    with db.transaction():
+        run = wf.start_tx(db, mgr, Inp(1))
+    proxy.drop_reply(CLAIM_BATCH)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.2, sweep_interval=0.5, listen=False)
+    )
+    runnable.start()
+    try:
+        proxy.wait_dropped(1)
+        assert run.wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        runnable.stop(timeout=10)
+    assert calls.attempts == [1]
+    assert tasks(db, run.id) == [(1, 0, None)]
+    no_claim_lost(logs[1])
+
+
+def test_a_claim_by_id_whose_reply_is_lost_executes_what_it_claimed(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any]
+) -> None:
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls)))
+    mgr = manager(reg)
+    with db.transaction():
+        run = wf.start_tx(db, mgr, Inp(1))
+    proxy.drop_reply(CLAIM_BY_ID)
+    assert run.wait(timeout=10) is Status.SUCCEEDED  # the wait() kicks: claim by id
+    assert proxy.dropped == 1
+    assert calls.attempts == [1]
+
+
+# --- the insert --------------------------------------------------------------------------
+
+
+def test_a_keyed_start_whose_insert_reply_is_lost_still_runs_on_the_fast_path(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any]
+) -> None:
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls)))
+    mgr = manager(reg)
+    proxy.drop_reply(INSERT)
+    run = wf.start(mgr, Inp(1), idempotency_key="order-1")
+    assert proxy.dropped == 1
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert calls.attempts == [1]
+    assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
+    assert wf.start(mgr, Inp(1), idempotency_key="order-1") == run
+
+
+def test_an_unkeyed_start_whose_insert_reply_is_lost_runs_once(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any]
+) -> None:
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls)))
+    mgr = manager(reg)
+    proxy.drop_reply(INSERT)
+    run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert calls.attempts == [1]
+    assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
+
+
+# --- writes under a claim --------------------------------------------------------------
+
+
+def test_a_failed_attempt_whose_reply_is_lost_counts_once(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    seen: list[int] = []
+
+    def flaky(run: workflow.TaskRun[Inp]) -> Out:
+        seen.append(run.attempt)
+        if run.attempt == 1:
+            raise RuntimeError("provider down")
+        return Out("ok")
+
+    reg, wf = registry(workflow.handle(A, flaky, max_attempts=5, backoff_schedule=[0.01]))
+    mgr = manager(reg)
+    proxy.drop_reply(FAILURE)
+    run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert proxy.dropped == 1
+    assert seen == [1, 2]
+    assert tasks(db, run.id) == [(1, 1, "provider down")]
+    no_claim_lost(logs[1])
+
+
+def test_a_park_whose_reply_is_lost_still_logs_its_alert(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    def rejects(run: workflow.TaskRun[Inp]) -> Out:
+        raise workflow.Permanent("card declined", code="declined")
+
+    reg, wf = registry(workflow.handle(A, rejects))
+    mgr = manager(reg)
+    proxy.drop_reply(FAILURE)
+    run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=10) is Status.PARKED
+    assert proxy.dropped == 1
+    records = logs[1]
+    wait_until(lambda: bool(records.alerts()), "the park's ALERT")
+    (alert,) = records.alerts()
+    assert alert.run_id == run.id  # type: ignore[attr-defined]
+    assert "card declined" in alert.getMessage()
+    assert tasks(db, run.id) == [(1, 1, "card declined")]
+    no_claim_lost(records)
+
+
+def test_a_finish_whose_reply_is_lost_is_seen_as_a_success(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    """One task: its write records the output and finishes the run, letting go of the claim."""
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls)))
+    mgr = manager(reg)
+    proxy.drop_reply(OUTPUT)
+    run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert proxy.dropped == 1
+    assert calls.attempts == [1]
+    no_claim_lost(logs[1])
+
+
+def test_a_release_whose_reply_is_lost_is_seen_as_released(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    """close() while task a runs: a's success is recorded, then the claim is released."""
+    entered, go_on = threading.Event(), threading.Event()
+
+    def slow(run: workflow.TaskRun[Inp]) -> Out:
+        entered.set()
+        go_on.wait(10)
+        return Out("a")
+
+    reg, wf = registry(workflow.handle(A, slow), workflow.handle(B, lambda run: Out("b")))
+    mgr = manager(reg)
+    run = wf.start(mgr, Inp(1))
+    assert entered.wait(10)
+    proxy.drop_reply(RELEASE)
+    closer = threading.Thread(target=mgr.close, kwargs={"timeout": 20})
+    closer.start()
+    wait_until(mgr._draining.is_set, "the drain to begin")
+    go_on.set()
+    closer.join(30)
+    assert proxy.dropped == 1
+    row = db.execute(
+        "SELECT claim_id, current_seq, status FROM workflow_runs WHERE id = %s", (run.id,)
+    ).fetchone()
+    assert row == (None, 2, "running"), "released on task b, claimable at once"
+    no_claim_lost(logs[1])
