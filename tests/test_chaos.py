@@ -175,3 +175,67 @@ def test_checks_catch_a_lost_run_and_an_attempt_over_budget(
     report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
     assert report.lost == 1, report.problems
     assert report.attempts_over >= 1, report.problems
+
+
+def test_checks_catch_a_sweep_that_counted_an_attempt_no_one_ran(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    """What a lost claim reply left on the old engine: a claim no executor knew of, swept."""
+    from chaos.schema import SWEEP_ERROR_PREFIX
+
+    ids = _run_some(make_manager, chaos_db)
+    chaos_db.execute(
+        "UPDATE workflow_runs SET claim_id = %s, heartbeat_at = now() WHERE id = %s",
+        (uuid.uuid4(), ids[1]),
+    )
+    with chaos_db.transaction():
+        chaos_db.execute(
+            "UPDATE workflow_runs SET claim_id = NULL, heartbeat_at = NULL WHERE id = %s",
+            (ids[1],),
+        )
+        chaos_db.execute(
+            "UPDATE workflow_tasks SET attempts = attempts + 1, error = %s "
+            "WHERE run_id = %s AND seq = 3",
+            (f"{SWEEP_ERROR_PREFIX}: its executor stopped heartbeating", ids[1]),
+        )
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.phantom_attempts == 1, report.problems
+    assert report.miscounted == 1 and report.violations >= 1
+
+
+def test_checks_catch_a_failure_counted_twice(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    ids = _run_some(make_manager, chaos_db)
+    chaos_db.execute(
+        "UPDATE workflow_tasks SET attempts = attempts + 1 WHERE run_id = %s AND seq = 2",
+        (ids[0],),
+    )
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.phantom_attempts == 1, report.problems
+
+
+def test_checks_catch_a_failure_that_ran_and_was_never_counted(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    ids = _run_some(make_manager, chaos_db)
+    chaos_db.execute(
+        "INSERT INTO chaos_exec (exec_id, run_id, seq, attempt, pid, claim_id, started_at, "
+        "ended_at, outcome) SELECT %s, run_id, seq, attempt, pid, claim_id, started_at, "
+        "started_at, 'raised' FROM chaos_exec WHERE run_id = %s AND seq = 1",
+        (uuid.uuid4(), ids[3]),
+    )
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.uncounted == 1, report.problems
+
+
+def test_checks_catch_one_write_counting_two_attempts(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    ids = _run_some(make_manager, chaos_db)
+    chaos_db.execute(
+        "UPDATE workflow_tasks SET attempts = attempts + 2 WHERE run_id = %s AND seq = 1",
+        (ids[2],),
+    )
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.double_counted == 1, report.problems

@@ -26,8 +26,10 @@ from . import ledger
 
 MAX_ATTEMPTS = 12
 
+CONFIG_SWEEP_MAX_AGE = 3.0
+
 CONFIG = workflow.Config(
-    sweep_max_age=3,
+    sweep_max_age=CONFIG_SWEEP_MAX_AGE,
     default_task_timeout=1.5,
     max_in_process_backoff=0.5,
     backoff_base=0.1,

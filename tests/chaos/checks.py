@@ -42,6 +42,25 @@ claim was valid when it began, its attempt - 1 must equal the attempt-count bump
 (failures and sweeps) committed before it began; no execution may see an attempt
 above `max_attempts` (the engine parks first); and no task's persisted count may
 exceed `max_attempts` + the sweeps that bumped it.
+
+Miscounts: every attempt counted ran, and every attempt that ran and failed is
+counted, once.
+- A write bumps an attempt count by one at most (`double_counted`): a failure
+  retried after its reply was lost must not count twice.
+- A failure's bump needs an execution of that task under the writing claim that
+  raised, with that attempt number, each execution matched once
+  (`phantom_attempts`).
+- A sweep's bump (an abandoned attempt) needs a reason under the swept claim: an
+  execution of that task under it (killed, hung, or cut off), or the process that
+  set the claim killed after setting it, or the server restart between the claim
+  and the sweep. A claim no executor knew of (the lost reply of a claim) has none
+  (`phantom_attempts`).
+- An execution that raised needs a bump under its claim: its failure (that
+  attempt), or a sweep of its claim, or a release by a process told to drain
+  (a failure during shutdown spends no attempt, by design) (`uncounted`).
+Beyond that an attempt may run again only after its execution was interrupted:
+the attempt check above flags any execution that saw a count its predecessors
+did not leave.
 """
 
 from __future__ import annotations
@@ -76,7 +95,14 @@ class Report:
     attempts_over: int = 0
     stale_reads: int = 0
     unknown_claims: int = 0
+    uncounted: int = 0
+    phantom_attempts: int = 0
+    double_counted: int = 0
     problems: list[str] = attrs.field(factory=list)
+
+    @property
+    def miscounted(self) -> int:
+        return self.uncounted + self.phantom_attempts + self.double_counted
 
     @property
     def violations(self) -> int:
@@ -87,6 +113,7 @@ class Report:
             + self.attempts_over
             + self.stale_reads
             + self.unknown_claims
+            + self.miscounted
         )
 
     def problem(self, text: str) -> None:
@@ -108,7 +135,12 @@ class _Exec:
     outcome: str | None
 
 
-def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | None) -> Report:
+def check(
+    conn: psycopg.Connection[Any],
+    max_attempts: int,
+    starter_pid: int | None,
+    sweep_max_age: float = 3.0,
+) -> Report:
     """Run every check on the chaos database; the report (violations and counts)."""
     r = Report()
     runs = dict(conn.execute("SELECT id, status FROM workflow_runs").fetchall())
@@ -127,8 +159,10 @@ def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | N
         ).fetchall()
     ]
     claim_rows = conn.execute(
-        "SELECT run_id, old_claim, new_claim, at, xid FROM chaos_claims ORDER BY run_id, at, id"
+        "SELECT run_id, old_claim, new_claim, at, xid, app FROM chaos_claims "
+        "ORDER BY run_id, at, id"
     ).fetchall()
+    faults = conn.execute("SELECT kind, app, at, until_ FROM chaos_faults").fetchall()
     event_rows = conn.execute(
         "SELECT run_id, seq, old_output, new_output, old_attempts, new_attempts, error, at, xid "
         "FROM chaos_task_events ORDER BY run_id, seq, at, id"
@@ -136,13 +170,17 @@ def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | N
 
     claim_set: dict[uuid.UUID, datetime.datetime] = {}
     claim_clear: dict[uuid.UUID, datetime.datetime] = {}
+    claim_app: dict[uuid.UUID, str] = {}
+    cleared_by: dict[uuid.UUID, tuple[str, int, datetime.datetime]] = {}
     claims_of_run: dict[uuid.UUID, list[tuple[Any, ...]]] = defaultdict(list)
-    for run_id, old, new, at, xid in claim_rows:
+    for run_id, old, new, at, xid, app in claim_rows:
         claims_of_run[run_id].append((old, new, at, xid))
         if new is not None:
             claim_set[new] = at
+            claim_app[new] = app
         if old is not None:
             claim_clear[old] = at
+            cleared_by[old] = (app, xid, at)
     events: dict[tuple[uuid.UUID, int], list[tuple[Any, ...]]] = defaultdict(list)
     for run_id, seq, *rest in event_rows:
         events[(run_id, seq)].append(tuple(rest))
@@ -271,7 +309,12 @@ def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | N
                     f"but {before} attempts had ended before it began"
                 )
 
-    # 5. Every execution of a later task read the one recorded output of the task before.
+    # 5. Miscounts (see the module doc).
+    _check_counts(
+        r, execs_of_task, events, claims_of_run, claim_set, claim_app, cleared_by, faults
+    )
+
+    # 6. Every execution of a later task read the one recorded output of the task before.
     for e in execs:
         if e.seq > 1:
             recorded = final_output.get((e.run_id, e.seq - 1))
@@ -288,6 +331,82 @@ def check(conn: psycopg.Connection[Any], max_attempts: int, starter_pid: int | N
     if starter_pid is not None:
         r.fast_path_executions = sum(1 for e in execs if e.pid == starter_pid)
     return r
+
+
+def _check_counts(
+    r: Report,
+    execs_of_task: dict[tuple[uuid.UUID, int], list[_Exec]],
+    events: dict[tuple[uuid.UUID, int], list[tuple[Any, ...]]],
+    claims_of_run: dict[uuid.UUID, list[tuple[Any, ...]]],
+    claim_set: dict[uuid.UUID, datetime.datetime],
+    claim_app: dict[uuid.UUID, str],
+    cleared_by: dict[uuid.UUID, tuple[str, int, datetime.datetime]],
+    faults: list[tuple[Any, ...]],
+) -> None:
+    kills = [(app, at) for kind, app, at, _ in faults if kind == "kill"]
+    stops = {app: at for kind, app, at, _ in faults if kind == "stop"}
+    restarts = [(at, until or INF) for kind, _, at, until in faults if kind == "restart"]
+    bump_xids: set[int] = set()
+    for key in set(execs_of_task) | set(events):
+        run_id = key[0]
+        history = claims_of_run.get(run_id, [])
+        runs_under = defaultdict(list)
+        for e in execs_of_task.get(key, []):
+            runs_under[e.claim].append(e)
+        failures_of: dict[uuid.UUID | None, int] = defaultdict(int)
+        swept: set[uuid.UUID | None] = set()
+        matched: set[uuid.UUID] = set()
+        for _, _, old, new, error, at, xid in events.get(key, []):
+            if new == old:
+                continue
+            bump_xids.add(xid)
+            if new - old > 1:
+                r.double_counted += 1
+                r.problem(f"count: task {key}: one write counted {new - old} attempts")
+            claim = _writer_claim(history, at, xid)
+            if (error or "").startswith(SWEEP_ERROR_PREFIX):
+                swept.add(claim)
+                set_at = claim_set.get(claim, INF) if claim is not None else INF
+                reason = (
+                    bool(runs_under.get(claim))
+                    or any(app == claim_app.get(claim) and set_at <= k_at <= at
+                           for app, k_at in kills)
+                    or any(r_at <= at and set_at <= r_until for r_at, r_until in restarts)
+                )
+                if not reason:
+                    r.phantom_attempts += 1
+                    r.problem(
+                        f"count: task {key}: a sweep counted an attempt under claim {claim} "
+                        f"(set by {claim_app.get(claim)!r} at {set_at}), which no execution "
+                        "ran, no kill and no restart explains"
+                    )
+                continue
+            candidates = [
+                e for e in runs_under.get(claim, [])
+                if e.outcome == "raised" and e.attempt == new and e.exec_id not in matched
+            ]
+            if not candidates:
+                r.phantom_attempts += 1
+                r.problem(
+                    f"count: task {key}: attempt {new} counted as failed under claim {claim} "
+                    "with no execution that raised it"
+                )
+                continue
+            matched.add(candidates[0].exec_id)
+            failures_of[claim] += 1
+        for e in execs_of_task.get(key, []):
+            if e.outcome != "raised" or e.exec_id in matched or e.claim in swept:
+                continue
+            releaser = cleared_by.get(e.claim) if e.claim is not None else None
+            if releaser is not None and releaser[1] not in bump_xids:
+                app, _, released_at = releaser
+                if app in stops and stops[app] <= released_at:
+                    continue  # released in a drain: a failure caused by shutdown spends none
+            r.uncounted += 1
+            r.problem(
+                f"count: task {key}: execution {e.exec_id} raised on attempt {e.attempt} "
+                f"under claim {e.claim}, and no bump counted it"
+            )
 
 
 def _writer_claim(

@@ -1,14 +1,21 @@
-"""The chaos run: a private PostgreSQL, three workers, a starter, kills and a restart.
+"""The chaos run: a private PostgreSQL, three workers, a starter, kills, a restart, lost replies.
 
 1. Start a private PostgreSQL (`tests/privatepg.py`), create the `chaos` database,
    migrate it as the owner, add the test's own tables and triggers (`schema.py`).
+   Put a `ReplyProxy` (`tests/replyproxy.py`) in front of it: the engine of every
+   process talks to PostgreSQL through it, and it drops the reply of a random
+   share of the engine's statements after the server committed them (and cuts
+   that connection), as a failover or a cut network does. The handlers' ledger
+   writes go straight to the server.
 2. Start three `python -m workflow.worker --app tests.chaos.app:app` processes and
    the starter (`python -m tests.chaos.starter`), which starts runs continuously
    with `start_tx` and, for a share, `start()` on its own manager (whose fast path
-   executes them in the starter).
+   executes them in the starter). Each process's sessions carry its own
+   `application_name`, so the claims trigger knows who set each claim.
 3. For the load period, every 2-4 s SIGKILL a random worker and start a
    replacement at once; once, part-way, restart PostgreSQL (`pg_ctl restart -m
-   fast`). A worker that exits on its own after it had started is a crash; a
+   fast`). Each kill and the restart are recorded in `chaos_faults` (database
+   clock). A worker that exits on its own after it had started is a crash; a
    replacement that fails to start (it may find the server down) is restarted.
 4. SIGTERM the starter (it drains its manager and reports its counts), wait with a
    deadline until no run is unfinished, SIGTERM the workers (each must exit 0).
@@ -42,8 +49,10 @@ from .schema import TABLES
 
 try:
     from tests.privatepg import PrivatePostgres, available
+    from tests.replyproxy import ReplyProxy
 except ImportError:  # imported as `chaos` by pytest, with tests/ on sys.path
     from privatepg import PrivatePostgres, available  # type: ignore[no-redef]
+    from replyproxy import ReplyProxy  # type: ignore[no-redef]
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "tests.chaos.app:app"
@@ -73,6 +82,8 @@ class Plan:
     restart_at: float = 0.45
     drain_timeout: float = 90.0
     seed: int = 0
+    drop_probability: float = 0.01
+    """The share of the engine's statements whose reply is lost after commit."""
 
     @classmethod
     def short(cls, seed: int = 0) -> Plan:
@@ -94,6 +105,8 @@ class Result:
     starter: dict[str, Any] = attrs.field(factory=dict)
     starter_exit: int | None = None
     drained: bool = False
+    lost_replies: int = 0
+    cut_transactions: int = 0
     seconds: float = 0.0
     logdir: Path | None = None
     problems: list[str] = attrs.field(factory=list)
@@ -106,13 +119,15 @@ class Result:
             and self.report.runs > 0
             and self.kills > 0
             and self.restarts == 1
+            and self.lost_replies > 0
         )
 
     def summary(self) -> str:
         r = self.report
         return (
             f"chaos summary: runs={r.runs} kills={self.kills} restarts={self.restarts} "
-            f"re-executions={r.re_executions} lost={r.lost} overwritten={r.overwritten} "
+            f"lost_replies={self.lost_replies} re-executions={r.re_executions} lost={r.lost} "
+            f"overwritten={r.overwritten} miscounted={r.miscounted} "
             f"overlaps={r.overlaps} attempts_over={r.attempts_over} "
             f"stale_reads={r.stale_reads} crashes={self.crashes} "
             f"(executions={r.executions} sweeps={r.sweeps} injected_failures="
@@ -120,12 +135,23 @@ class Result:
             f"stale_executions={r.stale_executions} fast_path_executions="
             f"{r.fast_path_executions} started_recorded={r.started_recorded} "
             f"failed_starts={self.starter.get('failed', '?')} "
+            f"cut_transactions={self.cut_transactions} uncounted={r.uncounted} "
+            f"phantom_attempts={r.phantom_attempts} double_counted={r.double_counted} "
             f"replacement_failures={self.replacement_failures} seconds={self.seconds:.0f})"
         )
 
 
+def _named(url: str, name: str) -> str:
+    """`url` with the sessions' `application_name` set to `name`."""
+    return f"{url}{'&' if '?' in url else '?'}application_name={name}"
+
+
 class _Proc:
-    """A subprocess with stdout and stderr in files of the run's log directory."""
+    """A subprocess with stdout and stderr in files of the run's log directory.
+
+    `url` is where its handlers write the ledger (straight to the server); its
+    engine's URL is in its arguments.
+    """
 
     def __init__(self, name: str, argv: list[str], url: str, logdir: Path) -> None:
         self.name = name
@@ -170,7 +196,8 @@ class _Proc:
                 f.close()
 
 
-def _worker(index: int, url: str, logdir: Path) -> _Proc:
+def _worker(index: int, url: str, engine_url: str, logdir: Path) -> _Proc:
+    name = f"worker-{index:03d}"
     argv = [
         sys.executable,
         "-m",
@@ -178,10 +205,24 @@ def _worker(index: int, url: str, logdir: Path) -> _Proc:
         "--app",
         APP,
         "--database-url",
-        url,
+        _named(engine_url, f"chaos-{name}"),
         *WORKER_ARGS,
     ]
-    return _Proc(f"worker-{index:03d}", argv, url, logdir)
+    return _Proc(name, argv, url, logdir)
+
+
+def _record_fault(url: str, sql: str, params: tuple[Any, ...]) -> None:
+    """Write a `chaos_faults` row (straight to the server), riding out a restart."""
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with psycopg.connect(url, autocommit=True, connect_timeout=5) as conn:
+                conn.execute(sql, params)
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 def _wait_for(predicate: Any, timeout: float, what: str) -> None:
@@ -201,19 +242,28 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
     rng = random.Random(plan.seed)
     logdir = Path(tempfile.mkdtemp(prefix="workflow-chaos-"))
     pg = PrivatePostgres(max_connections=300)
+    proxy = ReplyProxy("127.0.0.1", pg.port)
     procs: list[_Proc] = []
     result = Result(report=Report(), logdir=logdir)
     try:
         pg.start()
+        proxy.start()
         with psycopg.connect(pg.url(), autocommit=True) as admin:
             admin.execute("CREATE DATABASE chaos")
         url = pg.url("chaos")
         migrate(url)
         with psycopg.connect(url, autocommit=True) as conn:
             conn.execute(TABLES)
-        say(f"chaos: PostgreSQL on {pg.url()} (data {pg.base}), logs in {logdir}")
+        engine_url = proxy.url_for(url)
+        proxy.drop_randomly(
+            plan.drop_probability, contains=["workflow_runs", "workflow_tasks"], seed=plan.seed
+        )
+        say(
+            f"chaos: PostgreSQL on {pg.url()} (data {pg.base}), the engines through a proxy "
+            f"on port {proxy.port} losing {plan.drop_probability:.1%} of replies, logs in {logdir}"
+        )
 
-        workers = [_worker(i, url, logdir) for i in range(WORKERS)]
+        workers = [_worker(i, url, engine_url, logdir) for i in range(WORKERS)]
         procs.extend(workers)
         next_index = WORKERS
         _wait_for(lambda: all(STARTED in w.text() for w in workers), 60, "workers to start")
@@ -224,7 +274,7 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                 "-m",
                 "tests.chaos.starter",
                 "--database-url",
-                url,
+                _named(engine_url, "chaos-starter"),
                 "--rate",
                 str(plan.rate),
                 "--seed",
@@ -242,13 +292,26 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
             now = time.monotonic()
             if result.restarts == 0 and now >= restart_at:
                 say("chaos: restarting PostgreSQL (pg_ctl restart -m fast)")
+                _record_fault(url, "INSERT INTO chaos_faults (kind) VALUES ('restart')", ())
                 pg.restart()
+                _record_fault(
+                    url,
+                    "UPDATE chaos_faults SET until_ = clock_timestamp() WHERE kind = 'restart'",
+                    (),
+                )
                 result.restarts += 1
             if now >= next_kill:
                 victim = rng.choice(workers)
                 victim.kill()
+                _record_fault(
+                    url,
+                    "INSERT INTO chaos_faults (kind, app) VALUES ('kill', %s)",
+                    (f"chaos-{victim.name}",),
+                )
                 result.kills += 1
-                workers[workers.index(victim)] = replacement = _worker(next_index, url, logdir)
+                workers[workers.index(victim)] = replacement = _worker(
+                    next_index, url, engine_url, logdir
+                )
                 procs.append(replacement)
                 next_index += 1
                 next_kill = now + rng.uniform(*plan.kill_every)
@@ -264,7 +327,7 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                 else:
                     result.replacement_failures += 1
                 w.close_files()
-                workers[i] = _worker(next_index, url, logdir)
+                workers[i] = _worker(next_index, url, engine_url, logdir)
                 procs.append(workers[i])
                 next_index += 1
             if starter.proc.poll() is not None:
@@ -274,6 +337,9 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
 
         say(f"chaos: load over after {time.monotonic() - began:.0f}s; stopping the starter")
         if starter.proc.poll() is None:
+            _record_fault(
+                url, "INSERT INTO chaos_faults (kind, app) VALUES ('stop', 'chaos-starter')", ()
+            )
             starter.proc.send_signal(signal.SIGTERM)
         try:
             result.starter_exit = starter.proc.wait(60)
@@ -306,6 +372,10 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
             say(f"chaos: drained={result.drained}; stopping the workers")
             for w in workers:
                 if w.proc.poll() is None:
+                    conn.execute(
+                        "INSERT INTO chaos_faults (kind, app) VALUES ('stop', %s)",
+                        (f"chaos-{w.name}",),
+                    )
                     w.proc.send_signal(signal.SIGTERM)
             for w in workers:
                 try:
@@ -318,7 +388,11 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                     result.problems.append(
                         f"{w.name} exited {result.worker_exits[-1]} after SIGTERM: see {w.log}"
                     )
-            result.report = check(conn, chaos_app.MAX_ATTEMPTS, starter.pid)
+            result.lost_replies = proxy.dropped
+            result.cut_transactions = proxy.dropped_in_transaction
+            result.report = check(
+                conn, chaos_app.MAX_ATTEMPTS, starter.pid, chaos_app.CONFIG_SWEEP_MAX_AGE
+            )
         result.seconds = time.monotonic() - began
         return result
     finally:
@@ -327,6 +401,7 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                 with contextlib.suppress(Exception):
                     p.kill()
             p.close_files()
+        proxy.stop()
         if not result.ok:
             tail = pg.log_tail(40)
             (logdir / "postgres.log").write_text(tail)

@@ -11,11 +11,16 @@
   (`clock_timestamp()`). `ended_at` stays NULL for an execution that never got to
   the end (its process was killed).
 - `chaos_claims` (a trigger on `workflow_runs`): every change of a run's claim id,
-  with the database clock and the transaction id, so the checks know when each
-  claim became valid and when it stopped being valid.
+  with the database clock, the transaction id and the `application_name` of the
+  session that made it (each process has its own), so the checks know when each
+  claim became valid, when it stopped being valid, and which process set it.
 - `chaos_task_events` (a trigger on `workflow_tasks`): every change of a task's
   output or attempt count, with the error text stored with it (a sweep's bump says
   "abandoned"), the clock and the transaction id.
+- `chaos_faults`: what the runner did to the processes and the server, in the
+  database clock: each SIGKILL (`kill`, the victim's application name), each
+  SIGTERM that asks a process to drain (`stop`), and the server restart
+  (`restart`, from just before it to just after).
 
 The triggers only observe: they add rows to the test's tables and never change the
 engine's.
@@ -51,9 +56,18 @@ CREATE TABLE chaos_claims (
     old_claim uuid,
     new_claim uuid,
     at        timestamptz NOT NULL DEFAULT clock_timestamp(),
-    xid       bigint NOT NULL DEFAULT txid_current()
+    xid       bigint NOT NULL DEFAULT txid_current(),
+    app       text NOT NULL DEFAULT current_setting('application_name')
 );
 CREATE INDEX chaos_claims_run ON chaos_claims (run_id);
+
+CREATE TABLE chaos_faults (
+    id     bigserial PRIMARY KEY,
+    kind   text NOT NULL CHECK (kind IN ('kill', 'restart', 'stop')),
+    app    text,
+    at     timestamptz NOT NULL DEFAULT clock_timestamp(),
+    until_ timestamptz
+);
 
 CREATE TABLE chaos_task_events (
     id           bigserial PRIMARY KEY,
