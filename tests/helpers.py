@@ -237,6 +237,16 @@ def snapshot(db: psycopg.Connection[Any], run_id: str) -> tuple[Any, list[Any]]:
 
 # --- transaction counting ------------------------------------------------------------
 
+
+def dbname_of(url: str) -> str:
+    """The database a libpq URL names (socket URLs such as `...@/db?host=/tmp` included)."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    name = conninfo_to_dict(url).get("dbname")
+    assert isinstance(name, str) and name, f"no database in {url!r}"
+    return name
+
+
 FLUSH_STATS = "SELECT pg_stat_force_next_flush(), (SELECT count(*) FROM workflow_runs)"
 
 

@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
@@ -266,7 +266,7 @@ class PgBouncer:
 
     def url_for(self, server_url: str) -> str:
         """`server_url` (a database of the server) through the bouncer."""
-        dbname = urlsplit(server_url).path.lstrip("/") or "postgres"
+        dbname = conninfo_to_dict(server_url).get("dbname") or "postgres"
         return self.url(dbname)
 
     def log_tail(self, lines: int = 40) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import FLUSH_STATS, committed_transactions
+from helpers import FLUSH_STATS, committed_transactions, dbname_of
 from pgbouncer import runner_config
 from psycopg_pool import ConnectionPool
 
@@ -238,7 +238,7 @@ def test_a_three_task_fast_path_run_costs_four_transactions(
     autovacuum worker visiting the database could only add commits, so the test
     takes the smallest of up to three measurements.
     """
-    dbname = db_url.rsplit("/", 1)[1].split("?")[0]
+    dbname = dbname_of(db_url)
     engine_pool: ConnectionPool[Any] = ConnectionPool(
         db_url,
         min_size=1,

@@ -36,3 +36,16 @@ def test_quick_start_runs_and_succeeds(db_url: str) -> None:
 def test_quick_start_is_short() -> None:
     lines = [line for line in _quick_start().splitlines() if line.strip()]
     assert len(lines) <= 35
+
+
+def test_ci_runs_the_readmes_test_command_exactly() -> None:
+    """`.ci/run` runs the README's test command verbatim, in a fresh venv, with no
+    database configured: the path a newcomer takes is the path CI proves."""
+    text = README.read_text("utf-8")
+    section = text.split("## Tests", 1)[1].split("\n## ", 1)[0]
+    (command,) = re.findall(r"```sh\n(.*?)\n```", section, flags=re.S)
+    ci = (README.parent / ".ci" / "run").read_text("utf-8")
+    match = re.search(r'^README_TEST_COMMAND="(.*)"$', ci, flags=re.M)
+    assert match is not None, ".ci/run defines no README_TEST_COMMAND"
+    assert match.group(1) == command.strip()
+    assert 'bash -c "$README_TEST_COMMAND"' in ci

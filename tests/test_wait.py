@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import FLUSH_STATS, committed_transactions
+from helpers import FLUSH_STATS, committed_transactions, dbname_of
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -175,7 +175,7 @@ def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll
     smallest of up to three measurements is kept.
     """
     expected = {"ok": 3, PARK: 2}[outcome]  # insert + 2 tasks / insert + park
-    dbname = db_url.rsplit("/", 1)[1].split("?")[0]
+    dbname = dbname_of(db_url)
     engine_pool: ConnectionPool[Any] = ConnectionPool(
         db_url,
         min_size=1,
