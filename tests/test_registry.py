@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 import workflow
-from workflow.definition import MAX_TASKS
+from workflow.limits import MAX_TASKS
 
 
 @attrs.frozen

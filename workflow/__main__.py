@@ -25,11 +25,10 @@ from contextlib import contextmanager
 from typing import Any, NoReturn
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 
 from workflow.errors import WorkflowError
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, migrate, schema_version
-from workflow.store.connection import connect, normalize_url
+from workflow.store.connection import connect_explained
 
 PROG = "python -m workflow"
 URL_ENV = "WORKFLOW_DATABASE_URL"
@@ -68,13 +67,9 @@ def _database_url(args: argparse.Namespace) -> str:
 def _connect(url: str) -> Iterator[psycopg.Connection[Any]]:
     """An autocommit connection to `url`; `_Failure` when it cannot be opened."""
     try:
-        conninfo_to_dict(normalize_url(url))
-    except psycopg.Error as exc:
-        raise _Failure(f"workflow: invalid database URL: {_one_line(exc)}") from None
-    try:
-        conn = connect(url)
-    except psycopg.Error as exc:
-        raise _Failure(f"workflow: cannot connect to the database: {_one_line(exc)}") from None
+        conn = connect_explained(url)
+    except WorkflowError as exc:
+        raise _Failure(str(exc)) from None
     with conn:
         yield conn
 

@@ -15,6 +15,7 @@ import attrs
 
 from workflow.durations import Duration, seconds
 from workflow.errors import RegistrationError
+from workflow.limits import MAX_NAME_BYTES, MAX_TASKS, text_problem
 
 if TYPE_CHECKING:
     from psycopg import Connection
@@ -26,13 +27,6 @@ if TYPE_CHECKING:
 In = TypeVar("In")
 Out = TypeVar("Out")
 
-MAX_TASKS = 32766
-"""The most tasks a workflow may have: a run's position is a `smallint` that reads
-`task_count + 1` once every task is done, so 32767 tasks could not finish."""
-
-MAX_NAME_BYTES = 255
-"""The longest workflow or task name, in UTF-8 bytes: a name is a wake-up's
-payload and part of the idempotency index's entries, both of which are bounded."""
 
 
 class Workflow(Generic[In]):
@@ -333,18 +327,9 @@ def _check_name(name: object, what: str) -> None:
     """Refuse a name PostgreSQL could not store or the schema could not index."""
     if not isinstance(name, str) or not name:
         raise RegistrationError(f"{what} must be a non-empty str, got {name!r}")
-    if "\x00" in name:
-        raise RegistrationError(f"{what} {name!r} contains a NUL character")
-    try:
-        size = len(name.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise RegistrationError(
-            f"{what} {name!r} is not valid Unicode (a lone surrogate)"
-        ) from None
-    if size > MAX_NAME_BYTES:
-        raise RegistrationError(
-            f"{what} is {size} bytes long; the most is {MAX_NAME_BYTES} (UTF-8)"
-        )
+    problem = text_problem(name, MAX_NAME_BYTES)
+    if problem is not None:
+        raise RegistrationError(f"{what} {name[:60]!r} {problem}")
 
 
 def _positive(workflow: str, task: str, what: str, value: object) -> float:

@@ -12,7 +12,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from workflow import codec
@@ -22,6 +21,7 @@ from workflow.durations import Duration, seconds
 from workflow.errors import ConfigError, EncodeError, RunNotFound, WorkflowError
 from workflow.executor import Engine, Job, execute, executing
 from workflow.heartbeat import SHUTDOWN, Heartbeat
+from workflow.limits import MAX_KEY_BYTES, text_problem
 from workflow.run import Failure, Run, RunStatus, Status
 from workflow.runthreads import RunThreads
 from workflow.sealing import open_document, seal_document
@@ -33,7 +33,7 @@ from workflow.store import (
     current_database,
     in_transaction,
 )
-from workflow.store.connection import connect, normalize_url
+from workflow.store.connection import connect_explained, normalize_url
 
 if TYPE_CHECKING:
     from workflow.runnable import Runnable
@@ -122,32 +122,13 @@ class _Shape:
         )
 
 
-MAX_KEY_BYTES = 1024
-"""The longest idempotency key, in UTF-8 bytes: it is indexed (with the workflow
-name), and an index entry must fit in about a third of a page."""
-
-
 def _check_key(key: object) -> None:
     """Refuse an idempotency key before any SQL is sent (EncodeError, TypeError)."""
     if not isinstance(key, str) or not key:
         raise TypeError(f"idempotency_key must be a non-empty str, got {key!r}")
-    if "\x00" in key:
-        raise EncodeError(f"idempotency_key {key!r} contains a NUL character")
-    try:
-        size = len(key.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise EncodeError(
-            f"idempotency_key {key!r} is not valid Unicode (a lone surrogate)"
-        ) from None
-    if size > MAX_KEY_BYTES:
-        raise EncodeError(
-            f"idempotency_key is {size} bytes long; the most is {MAX_KEY_BYTES} (UTF-8): "
-            "hash a longer key first"
-        )
-
-
-def _one_line(text: object) -> str:
-    return " ".join(str(text).split())
+    problem = text_problem(key, MAX_KEY_BYTES)
+    if problem is not None:
+        raise EncodeError(f"idempotency_key {key[:60]!r} {problem}")
 
 
 def _parse_id(run_id: str) -> uuid.UUID:
@@ -200,19 +181,10 @@ class Manager:
             url = normalize_url(db)
             # One plain connection first: it fails at once with the server's own
             # reason, where a pool would retry quietly for its whole timeout.
-            try:
-                conninfo_to_dict(url)
-            except psycopg.Error as e:
-                raise WorkflowError(f"workflow: invalid database URL: {_one_line(e)}") from e
-            try:
-                with connect(url) as conn:
-                    check_schema(conn)
-                    self._dbname = conn.info.dbname
-                    self._database = current_database(conn)
-            except psycopg.Error as e:
-                raise WorkflowError(
-                    f"workflow: cannot connect to the database: {_one_line(e)}"
-                ) from e
+            with connect_explained(url) as conn:
+                check_schema(conn)
+                self._dbname = conn.info.dbname
+                self._database = current_database(conn)
             self._pool: ConnectionPool[Any] = ConnectionPool(
                 url,
                 min_size=1,

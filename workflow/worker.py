@@ -41,7 +41,6 @@ from types import FrameType
 from typing import Any, NoReturn
 
 import psycopg
-from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import ConnectionPool
 
 from workflow.config import App, Config, RunnerConfig, RunnerSettings, Settings
@@ -50,7 +49,7 @@ from workflow.errors import WorkflowError
 from workflow.logs import ALERT
 from workflow.manager import Manager
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
-from workflow.store.connection import connect, normalize_url
+from workflow.store.connection import connect_explained, normalize_url
 
 PROG = "python -m workflow.worker"
 URL_ENV = "WORKFLOW_DATABASE_URL"
@@ -310,14 +309,12 @@ def _check_database(url: str) -> None:
     timeout; one plain connection fails at once with the server's own reason.
     """
     try:
-        conninfo_to_dict(url)
-    except psycopg.Error as exc:
-        raise _Failure(f"workflow: invalid database URL: {_one_line(exc)}") from None
-    try:
-        with connect(url) as conn:
+        with connect_explained(url) as conn:
             found = schema_version(conn)
+    except WorkflowError as exc:
+        raise _Failure(str(exc)) from None
     except psycopg.Error as exc:
-        raise _Failure(f"workflow: cannot connect to the database: {_one_line(exc)}") from None
+        raise _Failure(f"workflow: cannot read the schema version: {_one_line(exc)}") from None
     if found < SCHEMA_VERSION:
         raise _Failure(_one_line(SchemaOutdated(found, SCHEMA_VERSION)))
 

@@ -9,6 +9,8 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
+from workflow.errors import WorkflowError
+
 CONNECT_TIMEOUT = 10
 """Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
 
@@ -27,3 +29,25 @@ def connect(url: str) -> psycopg.Connection[Any]:
     if "connect_timeout" not in params and "PGCONNECT_TIMEOUT" not in os.environ:
         params["connect_timeout"] = CONNECT_TIMEOUT
     return psycopg.connect(**params, autocommit=True)
+
+
+def connect_explained(url: str) -> psycopg.Connection[Any]:
+    """`connect(url)`, raising `WorkflowError` with one line saying why it failed.
+
+    A malformed URL: "invalid database URL: ..."; an unreachable server, a missing
+    database or a refused login: "cannot connect to the database: " and the
+    server's own reason. The psycopg error is kept as the cause.
+    """
+    try:
+        conninfo_to_dict(normalize_url(url))
+    except psycopg.Error as e:
+        raise WorkflowError(f"workflow: invalid database URL: {one_line(e)}") from e
+    try:
+        return connect(url)
+    except psycopg.Error as e:
+        raise WorkflowError(f"workflow: cannot connect to the database: {one_line(e)}") from e
+
+
+def one_line(text: object) -> str:
+    """`text` with every run of whitespace (newlines included) made one space."""
+    return " ".join(str(text).split())
