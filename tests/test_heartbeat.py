@@ -328,7 +328,8 @@ def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
     own at its deadline, not left for the next beat (an interval later: up to 15 s
     with the default settings).
     """
-    from workflow.heartbeat import DEADLINE, Heartbeat, Lease
+    from workflow.heartbeat import DEADLINE, Claim, Heartbeat
+    from workflow.logs import EngineLog
     from workflow.store import Store
 
     events: list[str] = []
@@ -339,10 +340,10 @@ def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
         beats = 0
         scanning = True
 
-        def leases(self) -> list[Lease]:
+        def claims(self) -> list[Claim]:
             if self.scanning and threading.current_thread() is self._thread:
                 events.append("scan")
-            return super().leases()
+            return super().claims()
 
         def _beat(self, now: float) -> None:
             self.scanning = False
@@ -356,7 +357,7 @@ def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
                 in_beat.set()
                 assert go_on.wait(10)
 
-    class Recorded(Lease):
+    class Recorded(Claim):
         def expire(self, now: float) -> bool:
             expired = super().expire(now)
             if expired and f"cancel:{self.reason}" not in events:
@@ -370,7 +371,9 @@ def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
         (run_id, claim_id),
     )
     lease = Recorded(run_id, claim_id)
-    heartbeat = Instrumented(Store(pool), 0.5, logging.getLogger("test.heartbeat.race"))
+    heartbeat = Instrumented(
+        Store(pool), 0.5, EngineLog(logging.getLogger("test.heartbeat.race"))
+    )
     heartbeat.add(lease)
     heartbeat.start()
     try:

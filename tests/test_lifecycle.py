@@ -28,7 +28,7 @@ from helpers import Inp, Out, registry, wait_until
 
 import workflow
 from workflow import Status
-from workflow.heartbeat import DEADLINE, Lease
+from workflow.heartbeat import DEADLINE, Claim
 from workflow.runthreads import RunThreads
 from workflow.service import Service
 
@@ -138,7 +138,7 @@ def test_a_job_submitted_while_the_threads_shut_down_is_run_or_refused(
 def test_a_deadline_seen_late_does_not_cancel_the_next_attempt() -> None:
     """The heartbeat reads an attempt's deadline, the attempt ends and the next begins,
     then the heartbeat acts on what it read: the new attempt must not start cancelled."""
-    lease = Lease(workflow_run_id(), workflow_run_id())
+    lease = Claim(workflow_run_id(), workflow_run_id())
     lease.begin_attempt(time.monotonic() - 1)  # this attempt is past its deadline
     seen = time.monotonic()  # what the heartbeat read
     lease.end_attempt()

@@ -268,7 +268,7 @@ def test_a_release_whose_reply_is_lost_is_seen_as_released(
     proxy.drop_reply(RELEASE)
     closer = threading.Thread(target=mgr.close, kwargs={"timeout": 20})
     closer.start()
-    wait_until(mgr._draining.is_set, "the drain to begin")
+    wait_until(mgr._executor.draining.is_set, "the drain to begin")
     go_on.set()
     closer.join(30)
     assert proxy.dropped == 1

@@ -352,7 +352,7 @@ def test_close_in_a_forked_child_leaves_the_parents_warm_connections_alone(
     mgr = workflow.Manager(db_url, registry())
     try:
         assert WF.start(mgr, 1).wait(timeout=30) is workflow.Status.SUCCEEDED
-        warm = [entry[0] for entry in mgr._store._warm]
+        warm = mgr._store.connections.warm
         assert warm
 
         def close_in_child() -> None:
@@ -361,13 +361,13 @@ def test_close_in_a_forked_child_leaves_the_parents_warm_connections_alone(
             after = mgr._pool.get_stats().get("pool_available", 0)
             if after != before:
                 raise AssertionError(f"the child gave {after - before} connections to its pool")
-            if mgr._store._warm:
+            if mgr._store.connections.warm:
                 raise AssertionError("the child still holds warm connections")
 
         results = forked_child_results({"close": close_in_child})
         assert results["close"]["raised"] is None, results
         # The parent's warm connections are untouched and still work.
-        assert [entry[0] for entry in mgr._store._warm] == warm
+        assert mgr._store.connections.warm == warm
         assert WF.start(mgr, 2).wait(timeout=30) is workflow.Status.SUCCEEDED
     finally:
         mgr.close(timeout=10)

@@ -180,7 +180,7 @@ def test_claim_run_by_id_is_an_index_lookup(plan_db: psycopg.Connection[Any]) ->
 
 
 def test_sweep_uses_the_claimed_index(plan_db: psycopg.Connection[Any]) -> None:
-    plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100})
+    plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100, "channel": "workflow_runs"})
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_claimed"), scans
     _assert_no_seq_scan(scans)

@@ -6,8 +6,9 @@ them (`Registry`), build a `Manager` over a connection pool, and start runs with
 migrations and the only SQL.
 """
 
-from workflow.config import App, Config, RunnerConfig
-from workflow.definition import Backoff, Definition, Registry, Step, Task, Workflow, define, handle
+from workflow.app import App
+from workflow.config import Config, RunnerConfig
+from workflow.definition import Definition, Registry, Step, Task, Workflow, define, handle
 from workflow.errors import (
     Cancelled,
     CodedError,
@@ -26,6 +27,7 @@ from workflow.errors import (
 )
 from workflow.logs import ALERT
 from workflow.manager import Manager
+from workflow.retry import Backoff
 from workflow.run import Failure, Run, RunStatus, Status
 from workflow.sealing import AESGCMCipher, Cipher, Propagation, Propagator, propagate
 from workflow.store import SchemaOutdated

@@ -18,70 +18,41 @@ Each subcommand is a function `_cmd_NAME(args) -> int` added to the parser in
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NoReturn
+from typing import Any
 
 import psycopg
 
+from workflow._cli import CommandFailed, Parser, add_database_url, database_url, run
 from workflow.errors import WorkflowError
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, migrate, schema_version
-from workflow.store.connection import connect_explained
+from workflow.store.connections import connect_explained, one_line
 
 PROG = "python -m workflow"
-URL_ENV = "WORKFLOW_DATABASE_URL"
-
-
-class _UsageError(Exception):
-    """A bad command line: one line on stderr, exit code 2."""
-
-
-class _Failure(Exception):
-    """A failure the user can act on: one line on stderr, exit code 1."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors raised (and printed as one line) instead of exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def _one_line(text: object) -> str:
-    """`text` with every run of whitespace (newlines included) made one space."""
-    return " ".join(str(text).split())
-
-
-def _database_url(args: argparse.Namespace) -> str:
-    url: str | None = args.database_url or os.environ.get(URL_ENV)
-    if not url:
-        raise _UsageError(
-            f"{PROG} {args.command}: no database URL: pass --database-url URL or set ${URL_ENV}"
-        )
-    return url
 
 
 @contextmanager
-def _connect(url: str) -> Iterator[psycopg.Connection[Any]]:
-    """An autocommit connection to `url`; `_Failure` when it cannot be opened."""
+def _connect(args: argparse.Namespace) -> Iterator[psycopg.Connection[Any]]:
+    """An autocommit connection to the command's database; `CommandFailed` when it cannot open."""
+    url = database_url(args.database_url, f"{PROG} {args.command}")
     try:
         conn = connect_explained(url)
     except WorkflowError as exc:
-        raise _Failure(str(exc)) from None
+        raise CommandFailed(str(exc)) from None
     with conn:
         yield conn
 
 
 def _cmd_migrate(args: argparse.Namespace) -> int:
     """Apply every migration of the chain not yet applied."""
-    with _connect(_database_url(args)) as conn:
+    with _connect(args) as conn:
         try:
             applied = migrate(conn)
             version = schema_version(conn)
         except (psycopg.Error, WorkflowError) as exc:
-            raise _Failure(f"workflow: migrate failed: {_one_line(exc)}") from None
+            raise CommandFailed(f"workflow: migrate failed: {one_line(exc)}") from None
     if not applied:
         print(f"workflow: the database schema is up to date (version {version})")
         return 0
@@ -93,11 +64,13 @@ def _cmd_migrate(args: argparse.Namespace) -> int:
 
 def _cmd_check(args: argparse.Namespace) -> int:
     """Print both schema versions; exit 1 when the database is behind this code."""
-    with _connect(_database_url(args)) as conn:
+    with _connect(args) as conn:
         try:
             found = schema_version(conn)
         except psycopg.Error as exc:
-            raise _Failure(f"workflow: cannot read the schema version: {_one_line(exc)}") from None
+            raise CommandFailed(
+                f"workflow: cannot read the schema version: {one_line(exc)}"
+            ) from None
     print(f"database schema version: {found}")
     print(f"code schema version: {SCHEMA_VERSION}")
     if found < SCHEMA_VERSION:
@@ -115,19 +88,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.database_url)
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
+def _parser() -> Parser:
+    parser = Parser(
         prog=PROG,
         description="pgworkflow: durable, ordered task runs stored in PostgreSQL.",
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    database = _Parser(add_help=False)
-    database.add_argument(
-        "--database-url",
-        metavar="URL",
-        help=f"a postgresql:// URL (default: ${URL_ENV})",
-    )
+    database = Parser(add_help=False)
+    add_database_url(database)
 
     migrate_cmd = commands.add_parser(
         "migrate",
@@ -165,21 +134,13 @@ def _parser() -> _Parser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with `argv` (default: `sys.argv[1:]`); the exit code."""
-    try:
+
+    def command() -> int:
         args = _parser().parse_args(argv)
         code: int = args.func(args)
         return code
-    except _UsageError as exc:
-        print(_one_line(exc), file=sys.stderr)
-        return 2
-    except _Failure as exc:
-        print(_one_line(exc), file=sys.stderr)
-        return 1
-    except SystemExit as exc:  # --help, --version
-        return exc.code if isinstance(exc.code, int) else 0
-    except KeyboardInterrupt:
-        print("workflow: interrupted", file=sys.stderr)
-        return 130
+
+    return run(command)
 
 
 if __name__ == "__main__":

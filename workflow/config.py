@@ -1,4 +1,4 @@
-"""Configuration values: `Config` (a manager), `RunnerConfig` (a worker), `App` (the CLI).
+"""Configuration values: `Config` (a manager) and `RunnerConfig` (a runnable), with defaults.
 
 All are frozen attrs classes validated at construction; a field left at None
 takes its default. Durations are seconds (int or float) or `datetime.timedelta`.
@@ -6,7 +6,6 @@ takes its default. Durations are seconds (int or float) or `datetime.timedelta`.
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -15,7 +14,6 @@ from workflow.durations import Duration, seconds
 from workflow.errors import ConfigError
 
 if TYPE_CHECKING:
-    from workflow.definition import Registry
     from workflow.sealing import Cipher, Propagation
 
 
@@ -168,16 +166,3 @@ class RunnerSettings:
             sweep_interval=_or(config.sweep_interval, 60.0),
             listen=True if config.listen is None else config.listen,
         )
-
-
-@attrs.frozen
-class App:
-    """What a worker's `--app` factory may return when workers need a `Config`.
-
-    `registry` is required; `config` (cipher, propagator, timeouts) and `logger`
-    are optional, so workers run with the same settings as the web processes.
-    """
-
-    registry: Registry
-    config: Config | None = None
-    logger: logging.Logger | None = None

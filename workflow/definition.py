@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import attrs
 
-from workflow.durations import Duration, seconds
+from workflow.durations import Duration
 from workflow.errors import RegistrationError
 from workflow.limits import MAX_NAME_BYTES, MAX_TASKS, text_problem
+from workflow.retry import Backoff, RetryPolicy, policy_of
 
 if TYPE_CHECKING:
     from psycopg import Connection
@@ -49,8 +50,9 @@ class Workflow(Generic[In]):
         already in flight (or the manager is closing) the run is left for a poller.
         With `idempotency_key`, a second start returns the existing run untouched.
         Raises `EncodeError` (nothing written) for an input that cannot be encoded.
+        The same as `mgr.start(self, input, ...)`, which documents the rest.
         """
-        return mgr._start(self, input, idempotency_key=idempotency_key)
+        return mgr.start(self, input, idempotency_key=idempotency_key)
 
     def start_tx(
         self,
@@ -65,18 +67,18 @@ class Workflow(Generic[In]):
         Launches nothing: the run exists if and only if that transaction commits,
         and the first `run.wait()` or a poller claims it. Raises `EncodeError`
         before sending any SQL, and `WorkflowError` when `conn` is not inside a
-        usable transaction.
+        usable transaction. The same as `mgr.start_tx(conn, self, input, ...)`.
         """
-        return mgr._start(self, input, idempotency_key=idempotency_key, conn=conn)
+        return mgr.start_tx(conn, self, input, idempotency_key=idempotency_key)
 
     def input(self, mgr: Manager, run_id: str) -> In:
         """Read and decode the stored input of one of this workflow's runs.
 
         Raises `RunNotFound` for an unknown or malformed id or a run of another
-        workflow, and `DecodeError` when the stored input no longer opens.
+        workflow, and `DecodeError` when the stored input no longer opens. The same
+        as `mgr.read_input(self, run_id)`.
         """
-        value: In = mgr._read_input(self, run_id)
-        return value
+        return mgr.read_input(self, run_id)
 
 
 class Task(Generic[Out]):
@@ -108,14 +110,6 @@ class Task(Generic[Out]):
         if self.output_type is None:
             return f"Task({self.name!r})"
         return f"Task({self.name!r}, {_type_name(self.output_type)})"
-
-
-@attrs.frozen
-class Backoff:
-    """Exponential retry delay `min(base * 2**(attempt-1), max)`, in seconds."""
-
-    base: Duration = 1.0
-    max: Duration = 300.0
 
 
 @attrs.frozen
@@ -188,17 +182,6 @@ def define(workflow: Workflow[In], *steps: Step[In]) -> Definition[In]:
     return Definition(workflow=workflow, steps=tuple(steps))
 
 
-@attrs.frozen
-class RetryPolicy:
-    """A step's retry settings, resolved to seconds (None: the Config's value)."""
-
-    timeout: float | None
-    max_attempts: int | None
-    backoff_base: float | None
-    backoff_max: float | None
-    schedule: tuple[float, ...] | None
-
-
 class Registry:
     """The workflows a process knows how to run.
 
@@ -267,7 +250,13 @@ class Registry:
                         "workflows must keep one output type (or rename the task)"
                     )
                 new_types[name] = step.task.output_type
-                policies[(wf.name, name)] = _policy(wf.name, step)
+                policies[(wf.name, name)] = policy_of(
+                    f"workflow {wf.name!r}, task {name!r}",
+                    timeout=step.timeout,
+                    max_attempts=step.max_attempts,
+                    backoff=step.backoff,
+                    backoff_schedule=step.backoff_schedule,
+                )
             self._definitions[wf.name] = definition
             self._policies.update(policies)
             self._output_types.update(new_types)
@@ -291,7 +280,7 @@ class Registry:
         return self._definitions.get(name)
 
     def policy(self, workflow: str, task: str) -> RetryPolicy:
-        """The resolved retry settings of one registered step."""
+        """The validated retry settings of one registered step (None: the Config's)."""
         return self._policies[(workflow, task)]
 
 
@@ -330,66 +319,3 @@ def _check_name(name: object, what: str) -> None:
     problem = text_problem(name, MAX_NAME_BYTES)
     if problem is not None:
         raise RegistrationError(f"{what} {name[:60]!r} {problem}")
-
-
-def _positive(workflow: str, task: str, what: str, value: object) -> float:
-    where = f"workflow {workflow!r}, task {task!r}"
-    try:
-        result = seconds(value, what)
-    except (TypeError, ValueError) as e:
-        raise RegistrationError(f"{where}: {e}") from None
-    if result <= 0:
-        raise RegistrationError(f"{where}: {what} must be positive, got {value!r}")
-    return result
-
-
-def _policy(workflow: str, step: Step[Any]) -> RetryPolicy:
-    task = step.task.name
-    where = f"workflow {workflow!r}, task {task!r}"
-    timeout = None if step.timeout is None else _positive(workflow, task, "timeout", step.timeout)
-    max_attempts = step.max_attempts
-    if max_attempts is not None and (
-        not isinstance(max_attempts, int) or isinstance(max_attempts, bool) or max_attempts < 1
-    ):
-        raise RegistrationError(
-            f"{where}: max_attempts must be a positive int, got {max_attempts!r}"
-        )
-    if step.backoff is not None and step.backoff_schedule is not None:
-        raise RegistrationError(
-            f"{where}: backoff and backoff_schedule are exclusive; keep one of them"
-        )
-    base = cap = None
-    if step.backoff is not None:
-        if not isinstance(step.backoff, Backoff):
-            raise RegistrationError(f"{where}: backoff must be a workflow.Backoff")
-        base = _positive(workflow, task, "backoff base", step.backoff.base)
-        cap = _positive(workflow, task, "backoff max", step.backoff.max)
-        if cap < base:
-            raise RegistrationError(
-                f"{where}: backoff max ({cap:g}s) is below its base ({base:g}s)"
-            )
-    schedule = None
-    if step.backoff_schedule is not None:
-        if not step.backoff_schedule:
-            raise RegistrationError(
-                f"{where}: backoff_schedule is empty; give at least one delay"
-            )
-        entries = []
-        for entry in step.backoff_schedule:
-            try:
-                delay = seconds(entry, "a backoff_schedule entry")
-            except (TypeError, ValueError) as e:
-                raise RegistrationError(f"{where}: {e}") from None
-            if delay < 0:
-                raise RegistrationError(
-                    f"{where}: backoff_schedule entry {entry!r} is negative"
-                )
-            entries.append(delay)
-        schedule = tuple(entries)
-    return RetryPolicy(
-        timeout=timeout,
-        max_attempts=max_attempts,
-        backoff_base=base,
-        backoff_max=cap,
-        schedule=schedule,
-    )

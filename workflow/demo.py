@@ -44,9 +44,9 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
 import workflow
-from workflow import store
 from workflow.store import migrate, schema_version
-from workflow.store.connection import connect, normalize_url
+from workflow.store.connections import connect, make_pool, normalize_url
+from workflow.store.migrate import create_database, drop_database
 
 URL_ENV = "WORKFLOW_DATABASE_URL"
 WORKER_APP = "workflow.demo:registry"
@@ -190,7 +190,7 @@ def _given_database(url: str) -> Iterator[tuple[str, str]]:
         raise DemoError(f"cannot connect to ${URL_ENV}: {' '.join(str(exc).split())}") from None
     name = f"workflow_demo_{uuid.uuid4().hex[:8]}"
     with admin:
-        if not store.create_database(admin, name):
+        if not create_database(admin, name):
             yield url, (
                 f"${URL_ENV} (database {admin.info.dbname!r}; this role may not create a "
                 "scratch database, so the demo uses its tables and leaves its runs there)"
@@ -204,7 +204,7 @@ def _given_database(url: str) -> Iterator[tuple[str, str]]:
             )
         finally:
             try:
-                store.drop_database(admin, name)
+                drop_database(admin, name)
             except psycopg.Error as exc:
                 _print(f"note: could not drop the scratch database {name!r}: {exc}")
 
@@ -388,9 +388,7 @@ def run_demo(database_url: str | None = None) -> int:
                 version = schema_version(conn)
             done = f"applied {', '.join(applied)}, now" if applied else "already"
             _print(f"schema: {done} at version {version}")
-            pool: ConnectionPool[Any] = ConnectionPool(
-                conninfo, min_size=1, max_size=4, kwargs={"autocommit": True}, open=False
-            )
+            pool = make_pool(conninfo, max_size=4, name="workflow-demo")
             pool.open(wait=True, timeout=DEADLINE)
             try:
                 with workflow.Manager(pool, registry(), logger=_narrating_logger()) as mgr:

@@ -1,13 +1,25 @@
-"""Executing one claimed run, task after task, every write fenced by the claim.
+"""Executing claimed runs, task after task, every write fenced by the claim.
+
+How a claim is fenced: a run's claim id is written when the run is claimed (by
+the fast path's insert, a poller's claim or a `wait()` kick) and every later
+write of its executor carries `WHERE claim_id = <its claim>`. A write that
+matches zero rows means another executor owns the run (a sweeper released the
+claim, someone cancelled it): this execution stops at once, touching nothing,
+and its handler's `cancelled` is set. The heartbeat (heartbeat.py) keeps the
+claim fresh while an attempt is inside its deadline.
 
 Transactions per run: the insert (already claimed on the fast path), then one per
 finished task, which records the output and moves the run on (the last one also
-completes it). A 3-task run on the fast path costs 4 transactions. A failed
-attempt costs one more (it records the failure, and parks or schedules the retry
+finishes it). A 3-task run on the fast path costs 4 transactions. A failed
+attempt costs one more (it records the failure and parks or schedules the retry
 in the same statement); a shutdown or a long backoff costs one release.
 
-A write that matches zero rows means another executor owns the run: this one
-stops at once, touching nothing.
+An attempt that ran is always counted: whatever the engine fails to record
+after it (the database refusing a write, a bug), the attempt is recorded as
+failed (parking the run when that spends the budget); when not even that can be
+written the claim is left, no longer heartbeated, for a sweeper to release and
+count after `sweep_max_age`. So no fault can re-run a handler more often than
+its budget allows (SPEC 9, invariant 4).
 """
 
 from __future__ import annotations
@@ -15,69 +27,193 @@ from __future__ import annotations
 import contextlib
 import datetime
 import json
-import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NoReturn
 
 import attrs
 
 from workflow import codec
 from workflow.config import Settings
-from workflow.definition import Registry, RetryPolicy, Step, Task
+from workflow.definition import Registry, Step, Task
 from workflow.errors import (
     DecodeError,
     EncodeError,
     OutputMissing,
+    WorkflowError,
     code_of,
     error_text,
     is_permanent,
 )
-from workflow.heartbeat import LOST, SHUTDOWN, Heartbeat, Lease
-from workflow.logs import ALERT
+from workflow.events import (
+    AttemptBegan,
+    AttemptEnded,
+    ClaimLost,
+    Events,
+    Outcome,
+    RunClaimed,
+    RunFinished,
+)
+from workflow.heartbeat import LOST, SHUTDOWN, Claim, Heartbeat
+from workflow.logs import ALERT, EngineLog
+from workflow.retry import Retry
 from workflow.run import Status
 from workflow.sealing import Cipher, Propagation, open_document
 from workflow.store import ClaimedRun, Store, TaskRow
 from workflow.taskrun import TaskRun
 
-_NO_INPUT = object()
-
-
-@attrs.frozen
-class Engine:
-    """What an execution needs from its manager."""
-
-    store: Store
-    registry: Registry
-    settings: Settings
-    logger: logging.Logger
-    heartbeat: Heartbeat
-    cipher: Cipher | None
-    propagation: Propagation[Any] | None
-    draining: threading.Event
-    finished: Callable[[uuid.UUID, Status | None], None]
-    steps: Mapping[str, Mapping[str, Step[Any]]]
-    """Per registered workflow name: its steps by task name."""
-
-
-@attrs.frozen
-class Job:
-    """A claimed run to execute; `input` is set on the fast path (already in memory)."""
-
-    run: ClaimedRun
-    claimed_at: float = attrs.field(factory=time.monotonic)
-    input: Any = _NO_INPUT
-
-
-class _Stop(Exception):
-    """Ends an execution early; the claim has been dealt with."""
-
+NO_INPUT: Any = object()
+"""`execute(input=...)` left out: the input is decoded from the claimed row."""
 
 FAULT_RETRY_DELAY = 30.0
 """Seconds a run waits after the engine failed on it before any attempt ran (say
 the database refused a park): long enough that a fault that repeats cannot spin."""
+
+
+@attrs.frozen
+class Plan:
+    """How one task of one registered workflow is executed: its step and its retry rules."""
+
+    step: Step[Any]
+    retry: Retry
+
+
+_executing = threading.local()
+"""Per thread: the executor whose execution this thread is inside, and its run id."""
+
+
+class Executor:
+    """Executes claimed runs for one manager; counts them, so that `drain()` can wait for them.
+
+    A run handed to a thread is first `admit()`ted; `execute()` runs it and
+    uncounts it at the end (`dismiss()` uncounts one that will not run after
+    all). `on_end(run_id, status)` is called at the end of every execution, with
+    the terminal status it wrote or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        registry: Registry,
+        settings: Settings,
+        log: EngineLog,
+        heartbeat: Heartbeat,
+        events: Events,
+        cipher: Cipher | None,
+        propagation: Propagation[Any] | None,
+        on_end: Callable[[uuid.UUID, Status | None], None],
+    ) -> None:
+        self.store = store
+        self.registry = registry
+        self.settings = settings
+        self.log = log
+        self.heartbeat = heartbeat
+        self.events = events
+        self.cipher = cipher
+        self.propagation = propagation
+        self.on_end = on_end
+        self.draining = threading.Event()
+        """Set by `drain()`: no attempt begins, claims are released."""
+        self._plans: dict[str, dict[str, Plan]] = {}
+        for name in registry.names():
+            definition = registry.definition(name)
+            assert definition is not None
+            plans = self._plans[name] = {}
+            for step in definition.steps:
+                retry = registry.policy(name, step.task.name).resolve(settings)
+                plans[step.task.name] = Plan(step, retry)
+        self._in_flight = 0
+        self._idle = threading.Condition()
+
+    def plan(self, workflow: str, task: str) -> Plan | None:
+        """How `task` of `workflow` is executed here; None when no handler is registered."""
+        plans = self._plans.get(workflow)
+        return None if plans is None else plans.get(task)
+
+    def admit(self) -> None:
+        """Count one execution about to be handed to a thread."""
+        with self._idle:
+            self._in_flight += 1
+
+    def dismiss(self) -> None:
+        """Uncount an admitted execution that will not run (its thread refused it)."""
+        with self._idle:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.notify_all()
+
+    def execute(
+        self, run: ClaimedRun, *, input: Any = NO_INPUT, claimed_at: float | None = None
+    ) -> None:
+        """Run the admitted claimed `run` from its current task until it finishes, parks,
+        or must stop, then uncount it.
+
+        `input` is the decoded input when the caller has it (the fast path);
+        `claimed_at` the monotonic time of the claim (default: now). Raises nothing
+        of its own (see the module doc for what an unexpected error does), but a
+        `SystemExit` or `KeyboardInterrupt` raised by a handler is recorded as a
+        failed attempt and then propagates.
+        """
+        claim = Claim(run.id, run.claim_id)
+        self.heartbeat.add(claim)
+        execution = _Execution(
+            self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
+        )
+        outer = getattr(_executing, "executor", None), getattr(_executing, "run_id", None)
+        _executing.executor, _executing.run_id = self, run.id
+        try:
+            if self.events.active:
+                self.events.emit(RunClaimed(run.id, run.workflow))
+            execution.run()
+        except _Stop:
+            pass
+        except Exception as e:
+            execution.engine_failed(e)
+        finally:
+            _executing.executor, _executing.run_id = outer
+            self.heartbeat.remove(claim)
+            try:
+                self.on_end(run.id, execution.outcome)
+            finally:
+                self.dismiss()
+
+    def executing_here(self) -> uuid.UUID | None:
+        """The run the calling thread executes for this executor (inside a handler), else None."""
+        if getattr(_executing, "executor", None) is self:
+            run_id: uuid.UUID = _executing.run_id
+            return run_id
+        return None
+
+    def drain(self, timeout: float | None) -> bool:
+        """Stop every execution: no attempt begins, in-flight handlers see `cancelled`,
+        their claims are released once their attempt is recorded. Blocks until none is
+        in flight, or `timeout`; True when none is."""
+        self.draining.set()
+        for claim in self.heartbeat.claims():
+            claim.cancel(SHUTDOWN)
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+
+
+def refuse_inside_handler(executor: Executor, what: str) -> None:
+    """`WorkflowError` when the calling thread is inside a handler `executor` executes.
+
+    For the calls that wait for every execution to end (`close()`, `stop()`):
+    from inside a handler they would wait for themselves.
+    """
+    if executor.executing_here() is not None:
+        raise WorkflowError(
+            f"workflow: {what} was called from inside a handler that this manager is "
+            "executing; it waits for every execution to end, that one included, so it "
+            "would wait for itself: call it from outside the handler"
+        )
+
+
+class _Stop(Exception):
+    """Ends an execution early; the claim has been dealt with."""
 
 
 @attrs.frozen
@@ -86,82 +222,37 @@ class _Ran:
 
     seq: int
     row: TaskRow
-    max_attempts: int
-    policy: RetryPolicy
-
-
-_executing = threading.local()
-"""Per thread: the engine whose execution this thread is inside, and its run id."""
-
-
-def executing(engine: Engine) -> uuid.UUID | None:
-    """The run the calling thread is executing for `engine` (inside a handler), else None."""
-    if getattr(_executing, "engine", None) is engine:
-        run_id: uuid.UUID = _executing.run_id
-        return run_id
-    return None
-
-
-def delay_after(policy: RetryPolicy, settings: Settings, attempts: int) -> float:
-    """Seconds to wait before the attempt after `attempts` ended attempts.
-
-    Exponential: `min(base * 2**(attempts-1), max)`. The exponent is capped first
-    (a float power overflows past 2**1023), and a float product saturates to
-    infinity rather than raising, so a task retried forever keeps its capped
-    delay however many attempts it has spent.
-    """
-    if policy.schedule is not None:
-        return policy.schedule[max(min(attempts, len(policy.schedule)), 1) - 1]
-    base = policy.backoff_base if policy.backoff_base is not None else settings.backoff_base
-    cap = policy.backoff_max if policy.backoff_max is not None else settings.backoff_max
-    exponent = min(max(attempts - 1, 0), 1023)
-    return min(base * 2.0**exponent, cap)
-
-
-def execute(engine: Engine, job: Job) -> None:
-    """Run `job` from its current task until it finishes, parks, or must stop.
-
-    Raises nothing of its own. An unexpected error is logged, and an attempt that
-    ran is counted (or parks the run) even then: a claim is never released with
-    an attempt that ran left uncounted, so a fault that repeats cannot re-run a
-    handler more often than its budget allows. When not even that can be
-    written, the claim is left as it is, no longer heartbeated, for a sweeper
-    to release after `sweep_max_age`, counting the attempt. A `SystemExit` or
-    `KeyboardInterrupt` raised by a handler is recorded as a failed attempt and
-    then propagates. Calls `engine.finished(run_id, status)` at the end, with the
-    terminal status this execution wrote, or None when it stopped without one.
-    """
-    lease = Lease(job.run.id, job.run.claim_id)
-    engine.heartbeat.add(lease)
-    execution = _Execution(engine, job, lease)
-    outer = getattr(_executing, "engine", None), getattr(_executing, "run_id", None)
-    _executing.engine, _executing.run_id = engine, job.run.id
-    try:
-        execution.run()
-    except _Stop:
-        pass
-    except Exception as e:
-        execution.engine_failed(e)
-    finally:
-        _executing.engine, _executing.run_id = outer
-        engine.heartbeat.remove(lease)
-        engine.finished(job.run.id, execution.outcome)
+    plan: Plan
+    began: float
 
 
 class _Execution:
-    def __init__(self, engine: Engine, job: Job, lease: Lease) -> None:
-        self.engine = engine
-        self.job = job
-        self.run_row = job.run
-        self.lease = lease
-        self.run_id = str(job.run.id)
-        self.extra = {"run_id": self.run_id}
-        self.steps = engine.steps.get(job.run.workflow, {})
-        self.tasks = list(job.run.tasks)
+    def __init__(
+        self, executor: Executor, run: ClaimedRun, claim: Claim, input: Any, claimed_at: float
+    ) -> None:
+        self.executor = executor
+        self.run_row = run
+        self.claim = claim
+        self.given_input = input
+        self.claimed_at = claimed_at
+        self.run_id = str(run.id)
+        self.tasks = list(run.tasks)
         self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
         self.decoded: dict[str, Any] = {}
         self.outcome: Status | None = None
         self.unrecorded: _Ran | None = None
+        self._log: EngineLog | None = None
+
+    @property
+    def log(self) -> EngineLog:
+        """The log of this run (built on first use: the success path logs nothing)."""
+        if self._log is None:
+            self._log = self.executor.log.for_run(self.run_id)
+        return self._log
+
+    def claim_lost(self) -> bool:
+        """True once the claim is known to belong to someone else (read afresh each time)."""
+        return self.claim.lost
 
     # The run's life.
 
@@ -172,74 +263,80 @@ class _Execution:
         first = True
         while seq <= len(self.tasks):
             row = self.tasks[seq - 1]
-            step = self.steps.get(row.name)
-            if step is None:
+            plan = self.executor.plan(self.run_row.workflow, row.name)
+            if plan is None:
                 self.park(
                     row,
                     f"no handler is registered for task {row.name!r} of workflow "
                     f"{self.run_row.workflow!r} (version skew: deploy the code that has it)",
                 )
-            policy = self.engine.registry.policy(self.run_row.workflow, row.name)
-            max_attempts = policy.max_attempts or self.engine.settings.max_attempts
-            if row.attempts >= max_attempts:
+            if row.attempts >= plan.retry.max_attempts:
                 self.park(
                     row,
-                    f"task {row.name!r} had already spent its {max_attempts} attempts when "
-                    "this executor claimed the run (its executors keep dying mid-attempt?)",
+                    f"task {row.name!r} had already spent its {plan.retry.max_attempts} "
+                    "attempts when this executor claimed the run (its executors keep dying "
+                    "mid-attempt?)",
                 )
             if first and row.attempts > 0:
-                self.wait_owed_backoff(row, policy)
+                self.wait_owed_backoff(row, plan)
             first = False
-            seq = self.attempt(seq, row, step, policy, max_attempts, input_value, restore)
+            seq = self.attempt(seq, row, plan, input_value, restore)
 
     def attempt(
         self,
         seq: int,
         row: TaskRow,
-        step: Step[Any],
-        policy: RetryPolicy,
-        max_attempts: int,
+        plan: Plan,
         input_value: Any,
         restore: Callable[[], contextlib.AbstractContextManager[Any]] | None,
     ) -> int:
         """Run one attempt of task `seq`; the seq to go on with."""
-        engine = self.engine
-        if self.lease.lost:
+        executor = self.executor
+        if self.claim.lost:
             raise _Stop
-        if engine.draining.is_set():
+        if executor.draining.is_set():
             self.release()
-        timeout = policy.timeout or engine.settings.task_timeout
-        deadline = time.monotonic() + timeout
-        cancelled = self.lease.begin_attempt(deadline)
-        engine.heartbeat.watch_deadline(deadline)
+        timeout = plan.retry.timeout
+        began = time.monotonic()
+        deadline = began + timeout
+        cancelled = self.claim.begin_attempt(deadline)
+        executor.heartbeat.watch_deadline(deadline)
         taskrun: TaskRun[Any] = TaskRun(
             run_id=self.run_id,
             seq=seq,
             input=input_value,
             outputs=self.output,
             attempt=row.attempts + 1,
-            max_attempts=max_attempts,
+            max_attempts=plan.retry.max_attempts,
             deadline=deadline,
             cancelled=cancelled,
         )
+        if executor.events.active:
+            executor.events.emit(
+                AttemptBegan(
+                    self.run_row.id, self.run_row.workflow, row.name, seq, row.attempts + 1
+                )
+            )
         error: BaseException | None = None
         result: Any = None
         try:
             if restore is None:
-                result = step.fn(taskrun)
+                result = plan.step.fn(taskrun)
             else:
                 with restore():
-                    result = step.fn(taskrun)
+                    result = plan.step.fn(taskrun)
         except BaseException as e:
             error = e
         finally:
-            self.lease.end_attempt()
+            self.claim.end_attempt()
+        ran = _Ran(seq, row, plan, began)
         if error is not None and not isinstance(error, Exception):
-            self.interrupted(seq, row, max_attempts, policy, error)
-        if self.lease.lost:
+            self.interrupted(ran, error)
+        if self.claim_lost():
+            self.attempt_ended(ran, Outcome.ABANDONED, error)
             raise _Stop
-        self.unrecorded = _Ran(seq, row, max_attempts, policy)
-        task = step.task
+        self.unrecorded = ran
+        task = plan.step.task
         document: str | None = None
         plain: Any = None
         if error is None and task.records:
@@ -248,31 +345,29 @@ class _Execution:
             except EncodeError as e:
                 error = e
         if error is None:
-            return self.complete(seq, row, document, plain)
-        if engine.draining.is_set() or self.lease.reason == SHUTDOWN:
+            return self.complete(ran, document, plain)
+        if executor.draining.is_set() or self.claim.reason == SHUTDOWN:
             # A failure caused by the shutdown does not spend the attempt.
+            self.attempt_ended(ran, Outcome.ABANDONED, error)
             self.release()
         text = error_text(error)
-        if time.monotonic() >= deadline:
+        timed_out = time.monotonic() >= deadline
+        if timed_out:
             text = f"timed out after {timeout:g}s: {text}"
         return self.fail(
-            seq, row, text, code_of(error), max_attempts, policy,
-            permanent=is_permanent(error), may_keep_claim=True,
+            ran, text, code_of(error), error,
+            permanent=is_permanent(error), may_keep_claim=True, timed_out=timed_out,
         )
 
-    def interrupted(
-        self, seq: int, row: TaskRow, max_attempts: int, policy: RetryPolicy,
-        interrupt: BaseException,
-    ) -> NoReturn:
+    def interrupted(self, ran: _Ran, interrupt: BaseException) -> NoReturn:
         """A handler raised SystemExit, KeyboardInterrupt or the like: record the
         failed attempt, end the execution without its claim, then re-raise it."""
-        self.unrecorded = _Ran(seq, row, max_attempts, policy)
+        self.unrecorded = ran
         text = f"the handler raised {type(interrupt).__name__}"
         if str(interrupt):
             text += f": {interrupt}"
         try:
-            self.fail(seq, row, text, None, max_attempts, policy,
-                      permanent=False, may_keep_claim=False)
+            self.fail(ran, text, None, interrupt, permanent=False, may_keep_claim=False)
         except _Stop:
             pass
         except Exception as e:
@@ -281,119 +376,136 @@ class _Execution:
 
     def fail(
         self,
-        seq: int,
-        row: TaskRow,
+        ran: _Ran,
         text: str,
         code: str | None,
-        max_attempts: int,
-        policy: RetryPolicy,
+        error: BaseException | None,
         *,
         permanent: bool,
         may_keep_claim: bool,
+        timed_out: bool = False,
     ) -> int:
-        """Count a failed attempt of task `seq`: park, or retry here or later.
+        """Count a failed attempt of the task `ran` was on: park, or retry here or later.
 
         Returns the seq to go on with after an in-process backoff; otherwise
         stops (parked, or the claim released until the retry is due).
         """
-        engine = self.engine
+        executor = self.executor
+        row, retry = ran.row, ran.plan.retry
         attempts = row.attempts + 1
-        if permanent or attempts >= max_attempts:
+        outcome = Outcome.TIMED_OUT if timed_out else Outcome.FAILED
+        if permanent or attempts >= retry.max_attempts:
             why = "failed permanently" if permanent else "failed on its last attempt"
             self.park(
                 row,
                 text,
                 code=code,
                 spent=1,
-                log=f"task {row.name!r} {why} (attempt {attempts} of {max_attempts})",
+                log=f"task {row.name!r} {why} (attempt {attempts} of {retry.max_attempts})",
+                ended=(ran, outcome, error),
             )
-        delay = delay_after(policy, engine.settings, attempts)
-        in_process = may_keep_claim and delay <= engine.settings.max_in_process_backoff
-        engine.logger.info(
-            "workflow: run %s: task %r attempt %d of %d failed, retrying in %gs%s: %s",
-            self.run_id, row.name, attempts, max_attempts, delay,
+        delay = retry.delay(attempts)
+        in_process = may_keep_claim and delay <= executor.settings.max_in_process_backoff
+        self.log.info(
+            "task %r attempt %d of %d failed, retrying in %gs%s: %s",
+            row.name, attempts, retry.max_attempts, delay,
             "" if in_process else " (claim released for a poller)", text,
-            extra=self.extra,
         )
-        if not engine.store.fail_task(
-            self.run_row.id, self.run_row.claim_id, seq,
-            error=text, code=code, attempts=attempts, spent=True, park=False,
-            keep_claim=in_process, delay=delay,
+        if not executor.store.fail_task(
+            self.run_row.id, self.run_row.claim_id, ran.seq,
+            error=text, code=code, attempts=attempts, keep_claim=in_process, delay=delay,
         ):
             self.lost()
         self.unrecorded = None
+        self.attempt_ended(ran, outcome, error)
         if not in_process:
             raise _Stop
-        self.tasks[seq - 1] = attrs.evolve(row, attempts=attempts)
+        self.tasks[ran.seq - 1] = attrs.evolve(row, attempts=attempts)
         self.sleep(delay)
-        return seq
+        return ran.seq
 
-    def complete(self, seq: int, row: TaskRow, document: str | None, plain: Any) -> int:
-        """Record task `seq`'s output and move on; the next seq (or stop when done)."""
-        engine = self.engine
+    def complete(self, ran: _Ran, document: str | None, plain: Any) -> int:
+        """Record the task's output and move on; the next seq (or stop when finished)."""
+        executor = self.executor
+        seq, row = ran.seq, ran.row
         next_seq = seq + 1
         while next_seq <= len(self.tasks) and self.tasks[next_seq - 1].skipped:
             next_seq += 1
-        done = next_seq > len(self.tasks)
-        if not engine.store.complete_task(
-            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, done
+        finishes = next_seq > len(self.tasks)
+        if not executor.store.complete_task(
+            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes
         ):
             self.lost()
         self.unrecorded = None
         if document is not None:
             self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
             self.outputs[row.name] = self.tasks[seq - 1]
-        if done:
-            self.outcome = Status.SUCCEEDED
+        self.attempt_ended(ran, Outcome.SUCCEEDED, None)
+        if finishes:
+            self.finished(Status.SUCCEEDED)
             raise _Stop
-        if engine.draining.is_set():
+        if executor.draining.is_set():
             self.release()
         return next_seq
 
     def engine_failed(self, error: Exception) -> None:
         """The engine itself failed (the database refused a write, a bug): never release
         the claim with an attempt that ran left uncounted."""
-        engine = self.engine
         ran = self.unrecorded
         if ran is None:
-            engine.logger.error(
-                "workflow: run %s: the engine failed before an attempt ran; releasing the "
-                "claim for %gs",
-                self.run_id, FAULT_RETRY_DELAY, exc_info=error, extra=self.extra,
+            self.log.error(
+                "the engine failed before an attempt ran; releasing the claim for %gs",
+                FAULT_RETRY_DELAY, exc_info=error,
             )
             with contextlib.suppress(_Stop):
                 self.release(delay=FAULT_RETRY_DELAY)
             return
-        engine.logger.error(
-            "workflow: run %s: task %r: the attempt's outcome could not be recorded; "
-            "counting it as a failed attempt",
-            self.run_id, ran.row.name, exc_info=error, extra=self.extra,
+        self.log.error(
+            "task %r: the attempt's outcome could not be recorded; counting it as a failed "
+            "attempt",
+            ran.row.name, exc_info=error,
         )
         text = f"the attempt's outcome could not be recorded: {type(error).__name__}: {error}"
         try:
-            self.fail(ran.seq, ran.row, text, None, ran.max_attempts, ran.policy,
-                      permanent=False, may_keep_claim=False)
+            self.fail(ran, text, None, error, permanent=False, may_keep_claim=False)
         except _Stop:
             pass
         except Exception:
-            engine.logger.exception(
-                "workflow: run %s: counting the failed attempt failed too; the claim is left "
-                "as it is: a sweeper releases it after sweep_max_age and counts the attempt",
-                self.run_id, extra=self.extra,
+            self.log.exception(
+                "counting the failed attempt failed too; the claim is left as it is: a "
+                "sweeper releases it after sweep_max_age and counts the attempt"
             )
+
+    # What happened, for subscribers.
+
+    def attempt_ended(self, ran: _Ran, outcome: Outcome, error: BaseException | None) -> None:
+        events = self.executor.events
+        if events.active:
+            events.emit(
+                AttemptEnded(
+                    self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
+                    ran.row.attempts + 1, outcome, time.monotonic() - ran.began, error,
+                )
+            )
+
+    def finished(self, status: Status) -> None:
+        self.outcome = status
+        events = self.executor.events
+        if events.active:
+            events.emit(RunFinished(self.run_row.id, self.run_row.workflow, status))
 
     # Inputs, context and outputs.
 
     def open_input(self) -> Any:
-        if self.job.input is not _NO_INPUT:
-            return self.job.input
-        definition = self.engine.registry.definition(self.run_row.workflow)
+        if self.given_input is not NO_INPUT:
+            return self.given_input
+        definition = self.executor.registry.definition(self.run_row.workflow)
         assert definition is not None
         first = self.tasks[self.run_row.current_seq - 1]
         try:
             document = open_document(
                 self.run_row.input, self.run_row.input_sealed, self.run_row.id,
-                self.engine.cipher, "input",
+                self.executor.cipher, "input",
             )
             # Sealed means no value may reach the error text (it is stored and logged).
             return codec.decode(
@@ -405,7 +517,7 @@ class _Execution:
 
     def open_context(self) -> Callable[[], contextlib.AbstractContextManager[Any]] | None:
         """What each attempt enters to restore the calling context; None: nothing."""
-        propagation = self.engine.propagation
+        propagation = self.executor.propagation
         run = self.run_row
         if propagation is None or (run.context is None and run.context_sealed is None):
             return None
@@ -414,7 +526,7 @@ class _Execution:
             # The stored JSON text: "null" is a snapshot too (of an Optional type).
             plain = None if run.context is None else json.loads(run.context)
             document = open_document(
-                plain, run.context_sealed, run.id, self.engine.cipher, "calling context"
+                plain, run.context_sealed, run.id, self.executor.cipher, "calling context"
             )
             snapshot = propagation.decode_snapshot(
                 document, redact=run.context_sealed is not None
@@ -438,28 +550,27 @@ class _Execution:
 
     # Waiting, parking, releasing.
 
-    def wait_owed_backoff(self, row: TaskRow, policy: RetryPolicy) -> None:
+    def wait_owed_backoff(self, row: TaskRow, plan: Plan) -> None:
         """Before resuming a failed task, wait what its last failure owes (database clock)."""
         if row.failed_at is None or self.run_row.db_now is None:
             return
-        due = row.failed_at + datetime.timedelta(
-            seconds=delay_after(policy, self.engine.settings, row.attempts)
+        due, owed = plan.retry.owed(
+            row.attempts, row.failed_at, self.run_row.db_now,
+            time.monotonic() - self.claimed_at,
         )
-        elapsed = time.monotonic() - self.job.claimed_at
-        owed = (due - self.run_row.db_now).total_seconds() - elapsed
         if owed <= 0:
             return
-        if owed > self.engine.settings.max_in_process_backoff:
+        if owed > self.executor.settings.max_in_process_backoff:
             self.release(retry_at=due)
         self.sleep(owed)
 
     def sleep(self, seconds: float) -> None:
         """Sleep between attempts; shutdown or a lost claim cuts it short."""
-        self.lease.begin_attempt(float("inf")).wait(seconds)
-        self.lease.end_attempt()
-        if self.lease.lost:
+        self.claim.begin_attempt(float("inf")).wait(seconds)
+        self.claim.end_attempt()
+        if self.claim.lost:
             raise _Stop
-        if self.engine.draining.is_set() or self.lease.reason == SHUTDOWN:
+        if self.executor.draining.is_set() or self.claim.reason == SHUTDOWN:
             self.release()
 
     def park(
@@ -470,23 +581,27 @@ class _Execution:
         code: str | None = None,
         spent: int = 0,
         log: str | None = None,
+        ended: tuple[_Ran, Outcome, BaseException | None] | None = None,
     ) -> NoReturn:
-        """Park the run on `row` (fenced) and log it at ALERT; always stops."""
+        """Park the run on `row` (fenced) and log it at ALERT; always stops.
+
+        `ended`: the attempt whose failure parks it, announced once recorded.
+        """
         attempts = row.attempts + spent
-        if not self.engine.store.fail_task(
+        if not self.executor.store.park_run(
             self.run_row.id, self.run_row.claim_id, row.seq,
-            error=text, code=code, attempts=attempts, spent=spent > 0, park=True,
-            keep_claim=False, delay=0.0,
+            error=text, code=code, attempts=attempts, spent=spent > 0,
         ):
             self.lost()
         self.unrecorded = None
-        self.engine.logger.log(
+        if ended is not None:
+            self.attempt_ended(*ended)
+        self.log.log(
             ALERT,
-            "workflow: run %s parked on task %r after %d attempts: %s",
-            self.run_id, row.name, attempts, log + ": " + text if log else text,
-            extra=self.extra,
+            "parked on task %r after %d attempts: %s",
+            row.name, attempts, log + ": " + text if log else text,
         )
-        self.outcome = Status.PARKED
+        self.finished(Status.PARKED)
         raise _Stop
 
     def release(
@@ -494,14 +609,11 @@ class _Execution:
     ) -> NoReturn:
         """Give the claim up without ending an attempt; always stops."""
         try:
-            released = self.engine.store.release_claim(
+            released = self.executor.store.release_claim(
                 self.run_row.id, self.run_row.claim_id, retry_at, delay=delay
             )
         except Exception:
-            self.engine.logger.exception(
-                "workflow: run %s: releasing the claim failed; a sweeper will reclaim it",
-                self.run_id, extra=self.extra,
-            )
+            self.log.exception("releasing the claim failed; a sweeper will reclaim it")
             raise _Stop from None
         if not released:
             self.lost()
@@ -510,10 +622,10 @@ class _Execution:
 
     def lost(self) -> NoReturn:
         """A fenced write matched nothing: another executor owns the run."""
-        self.lease.cancel(LOST)
+        self.claim.cancel(LOST)
         self.unrecorded = None
-        self.engine.logger.warning(
-            "workflow: run %s: claim lost (another executor owns the run); stopping",
-            self.run_id, extra=self.extra,
-        )
+        self.log.warning("claim lost (another executor owns the run); stopping")
+        events = self.executor.events
+        if events.active:
+            events.emit(ClaimLost(self.run_row.id, self.run_row.workflow))
         raise _Stop

@@ -3,18 +3,19 @@
 One `Heartbeat` per manager: a thread that refreshes every live claim in a single
 statement per tick. A claim whose attempt is past its deadline is no longer
 heartbeated, so a handler hung past its timeout is reclaimed by a sweeper after
-`sweep_max_age`. A claim the statement no longer finds was lost: its lease is
+`sweep_max_age`. A claim the statement no longer finds was lost: its `Claim` is
 cancelled and its execution ends without writing.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import threading
 import time
 import uuid
 
+from workflow.logs import EngineLog
+from workflow.service import Service
 from workflow.store import Store
 
 DEADLINE = "deadline"
@@ -22,8 +23,12 @@ LOST = "lost"
 SHUTDOWN = "shutdown"
 
 
-class Lease:
-    """One claim held by one execution in this process."""
+class Claim:
+    """A claim on one run, held by one execution in this process.
+
+    Its `cancelled` event is the one the current attempt's handler sees; `reason`
+    says why it was set (DEADLINE, LOST, SHUTDOWN).
+    """
 
     def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
         self.run_id = run_id
@@ -49,7 +54,7 @@ class Lease:
     def expire(self, now: float) -> bool:
         """Cancel the attempt (reason DEADLINE) if its deadline is at or before `now`.
 
-        The deadline is read under the lease's lock, so an attempt that ended
+        The deadline is read under the claim's lock, so an attempt that ended
         and gave way to the next one since the caller looked is left alone.
         True when the current attempt is past its deadline.
         """
@@ -81,40 +86,29 @@ class Lease:
         return self.reason == LOST
 
 
-class Heartbeat:
-    """The manager's heartbeat thread: `start()`, `add()`/`remove()` leases, `stop()`."""
+class Heartbeat(Service):
+    """The manager's heartbeat thread: `start()`, `add()`/`remove()` claims, `stop()`."""
 
-    def __init__(self, store: Store, interval: float, logger: logging.Logger) -> None:
+    name = "workflow-heartbeat"
+
+    def __init__(self, store: Store, interval: float, log: EngineLog) -> None:
+        super().__init__()
         self._store = store
         self._interval = interval
-        self._logger = logger
-        self._leases: dict[uuid.UUID, Lease] = {}
+        self._log = log
+        self._claims: dict[uuid.UUID, Claim] = {}
         self._lock = threading.Lock()
-        self._wake = threading.Event()
-        self._stopping = False
         self._next_wake = math.inf
-        self._thread = threading.Thread(target=self._loop, name="workflow-heartbeat", daemon=True)
 
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Stop the thread; blocks until it has exited (or `timeout`)."""
-        self._stopping = True
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def add(self, lease: Lease) -> None:
-        """Heartbeat this lease's claim until `remove`."""
+    def add(self, claim: Claim) -> None:
+        """Heartbeat this claim until `remove`."""
         with self._lock:
-            self._leases[lease.claim_id] = lease
+            self._claims[claim.claim_id] = claim
 
-    def remove(self, lease: Lease) -> None:
-        """Stop heartbeating this lease's claim."""
+    def remove(self, claim: Claim) -> None:
+        """Stop heartbeating this claim."""
         with self._lock:
-            self._leases.pop(lease.claim_id, None)
+            self._claims.pop(claim.claim_id, None)
 
     def watch_deadline(self, deadline: float) -> None:
         """Make sure the thread wakes by `deadline` to set `cancelled` on time."""
@@ -123,20 +117,20 @@ class Heartbeat:
         if deadline < self._next_wake:
             self._wake.set()
 
-    def leases(self) -> list[Lease]:
-        """The leases held now."""
+    def claims(self) -> list[Claim]:
+        """The claims held now."""
         with self._lock:
-            return list(self._leases.values())
+            return list(self._claims.values())
 
     def _loop(self) -> None:
         next_beat = time.monotonic() + self._interval
-        while not self._stopping:
+        while not self._stopping.is_set():
             self._next_wake = math.inf
             now = time.monotonic()
             earliest = math.inf
-            for lease in self.leases():
-                if not lease.expire(now):
-                    earliest = min(earliest, lease.deadline)
+            for claim in self.claims():
+                if not claim.expire(now):
+                    earliest = min(earliest, claim.deadline)
             if now >= next_beat:
                 self._beat(now)
                 self._tidy()
@@ -150,24 +144,22 @@ class Heartbeat:
         try:
             self._store.tidy()
         except Exception:
-            self._logger.exception("workflow: returning idle connections to the pool failed")
+            self._log.exception("returning idle connections to the pool failed")
 
     def _beat(self, now: float) -> None:
-        live = [lease for lease in self.leases() if lease.deadline > now]
+        live = [claim for claim in self.claims() if claim.deadline > now]
         if not live:
             return
         try:
-            held = self._store.heartbeat([lease.claim_id for lease in live])
+            held = self._store.heartbeat([claim.claim_id for claim in live])
         except Exception:
-            self._logger.exception("workflow: heartbeat of %d claims failed", len(live))
+            self._log.exception("heartbeat of %d claims failed", len(live))
             return
         with self._lock:
-            current = set(self._leases)
-        for lease in live:
-            if lease.claim_id not in held and lease.claim_id in current:
-                self._logger.warning(
-                    "workflow: run %s: claim lost (another executor owns the run); stopping",
-                    lease.run_id,
-                    extra={"run_id": str(lease.run_id)},
+            current = set(self._claims)
+        for claim in live:
+            if claim.claim_id not in held and claim.claim_id in current:
+                self._log.for_run(claim.run_id).warning(
+                    "claim lost (another executor owns the run); stopping"
                 )
-                lease.cancel(LOST)
+                claim.cancel(LOST)

@@ -12,53 +12,55 @@ from typing import Any
 
 import psycopg
 
-from workflow.executor import Engine
+from workflow.logs import EngineLog
 from workflow.service import Service
+from workflow.store import Store
 
 
 class Listener(Service):
-    """Calls `notify()` for each wake-up about one of `workflows`, until stopped."""
+    """Calls `wake()` for each wake-up about one of `workflows`, until stopped."""
 
     name = "workflow-listener"
 
     def __init__(
         self,
-        engine: Engine,
+        store: Store,
+        log: EngineLog,
         conninfo: str,
         kwargs: dict[str, Any],
         workflows: Collection[str],
-        notify: Callable[[], None],
+        wake: Callable[[], None],
     ) -> None:
         super().__init__()
-        self._engine = engine
+        self._store = store
+        self._log = log
         self._conninfo = conninfo
         self._kwargs = {k: v for k, v in kwargs.items() if k != "autocommit"}
         self._workflows = frozenset(workflows)
-        self._notify = notify
+        self._wake_poller = wake
         self._conn: psycopg.Connection[Any] | None = None
 
     def _loop(self) -> None:
         failures = 0
         while not self._stopping.is_set():
             try:
-                self._conn = self._engine.store.listen_connection(self._conninfo, **self._kwargs)
+                self._conn = self._store.listen_connection(self._conninfo, **self._kwargs)
                 if failures:
-                    self._engine.logger.warning("workflow: listener: LISTEN re-established")
+                    self._log.warning("listener: LISTEN re-established")
                 failures = 0
                 # A run may have been started while the connection was down.
-                self._notify()
+                self._wake_poller()
                 while not self._stopping.is_set():
                     for note in self._conn.notifies(timeout=0.5):
                         if not note.payload or note.payload in self._workflows:
-                            self._notify()
+                            self._wake_poller()
             except Exception as e:
                 if self._stopping.is_set():
                     break
                 failures += 1
                 delay = min(30.0, 0.2 * 2 ** min(failures, 8))
-                self._engine.logger.error(
-                    "workflow: listener: LISTEN connection lost (%s); retrying in %.1fs, "
-                    "polling meanwhile",
+                self._log.error(
+                    "listener: LISTEN connection lost (%s); retrying in %.1fs, polling meanwhile",
                     e,
                     delay,
                 )

@@ -11,9 +11,10 @@ from __future__ import annotations
 import threading
 
 from workflow.config import RunnerSettings
-from workflow.executor import Engine, Job, execute
+from workflow.executor import Executor
 from workflow.runthreads import RunThreads
 from workflow.service import Service
+from workflow.store import ClaimedRun
 
 
 class Poller(Service):
@@ -21,64 +22,59 @@ class Poller(Service):
 
     name = "workflow-poller"
 
-    def __init__(self, engine: Engine, settings: RunnerSettings) -> None:
+    def __init__(self, executor: Executor, settings: RunnerSettings) -> None:
         super().__init__()
-        self._engine = engine
+        self._executor = executor
         self._settings = settings
-        self._workflows = engine.registry.names()
-        self._threads = RunThreads(settings.concurrency, "workflow-worker", engine.logger)
-        self._in_flight = 0
-        self._idle = threading.Condition()
-
-    @property
-    def in_flight(self) -> int:
-        """Executions running now."""
-        return self._in_flight
-
-    def wait_idle(self, timeout: float | None) -> bool:
-        """Block until no execution is in flight (or `timeout`); True when idle."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+        self._workflows = executor.registry.names()
+        self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
+        self._running = 0  # this poller's executions in flight, against `concurrency`
+        self._lock = threading.Lock()
 
     def stop(self, timeout: float | None = None) -> None:
-        """Stop claiming; in-flight executions go on (the manager drains them)."""
+        """Stop claiming; in-flight executions go on (the executor's drain awaits them)."""
         super().stop(timeout)
         self._threads.shutdown(wait=False)
 
     def _loop(self) -> None:
+        executor = self._executor
         failures = 0
         while not self._stopping.is_set():
-            free = self._settings.concurrency - self._in_flight
-            if free <= 0 or self._engine.draining.is_set():
+            free = self._settings.concurrency - self._running
+            if free <= 0 or executor.draining.is_set():
                 self._sleep(self._settings.poll_interval)
                 continue
             limit = min(self._settings.batch_size, free)
             try:
-                claimed = self._engine.store.claim_runs(self._workflows, limit)
+                claimed = executor.store.claim_runs(self._workflows, limit)
             except Exception:
                 failures += 1
-                self._engine.logger.exception("workflow: poller: claiming runs failed")
+                executor.log.exception("poller: claiming runs failed")
                 self._sleep(min(self._settings.poll_interval, 0.5 * 2 ** min(failures, 6)))
                 continue
             failures = 0
             for run in claimed:
-                with self._idle:
-                    self._in_flight += 1
-                try:
-                    self._threads.submit(self._execute, Job(run=run))
-                except RuntimeError:  # stop() gave up joining us and shut the pool down
-                    with self._idle:
-                        self._in_flight -= 1
-                        self._idle.notify_all()
-                    self._engine.store.release_claim(run.id, run.claim_id)
+                self._hand_over(run)
             if len(claimed) < limit:
                 self._sleep(self._settings.poll_interval)
 
-    def _execute(self, job: Job) -> None:
+    def _hand_over(self, run: ClaimedRun) -> None:
+        executor = self._executor
+        with self._lock:
+            self._running += 1
+        executor.admit()
         try:
-            execute(self._engine, job)
+            self._threads.submit(self._execute, run)
+        except RuntimeError:  # stop() gave up joining us and shut the threads down
+            executor.dismiss()
+            with self._lock:
+                self._running -= 1
+            executor.store.release_claim(run.id, run.claim_id)
+
+    def _execute(self, run: ClaimedRun) -> None:
+        try:
+            self._executor.execute(run)
         finally:
-            with self._idle:
-                self._in_flight -= 1
-                self._idle.notify_all()
+            with self._lock:
+                self._running -= 1
             self.wake()

@@ -27,7 +27,7 @@ class Status(str, enum.Enum):
     PARKED = "parked"
     """Stopped; needs a person. `RunStatus.failure` says why."""
     CANCELLED = "cancelled"
-    """Reserved: no path produces it yet."""
+    """Reserved: no path produces it yet (operations, SPEC 12, will)."""
 
     @property
     def terminal(self) -> bool:
@@ -79,7 +79,7 @@ class Run:
         return f"Run({self._id!r})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Run) and other._id == self._id
+        return isinstance(other, Run) and other.id == self._id
 
     def __hash__(self) -> int:
         return hash(self._id)
@@ -92,8 +92,8 @@ class Run:
         elsewhere is seen within about a second. A run that is claimable now and
         unclaimed is claimed and executed here, on the fast path, when there is room.
         """
-        return self._manager._wait(self._id, timeout, self._key)
+        return self._manager.wait(self._id if self._key is None else self._key, timeout)
 
     def status(self) -> RunStatus:
         """Read the run's status, failure and times (one query)."""
-        return self._manager._status(self._id)
+        return self._manager.status(self._id if self._key is None else self._key)

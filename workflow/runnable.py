@@ -1,19 +1,26 @@
-"""A worker: the poller, the sweeper and the listener over one manager."""
+"""A runnable: the poller, the sweeper and the listener over one manager's executor.
+
+What happens at stop (and at SIGTERM, which the worker CLI turns into `stop()`):
+the listener and the poller stop, so nothing new is claimed; then the executor
+drains (`Executor.drain`): no attempt begins, every in-flight handler sees
+`cancelled`, and each execution records its attempt (a success is persisted, a
+failure caused by the shutdown is not counted) and releases its claim for
+immediate re-claim; then the sweeper stops. One deadline bounds the whole stop.
+"""
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
-from workflow.config import RunnerConfig, RunnerSettings
+from workflow.config import RunnerSettings
 from workflow.durations import Duration, seconds
+from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
 from workflow.poller import Poller
 from workflow.sweeper import Sweeper
-
-if TYPE_CHECKING:
-    from workflow.manager import Manager
 
 
 class Runnable:
@@ -24,28 +31,34 @@ class Runnable:
     recorded, claims are released.
     """
 
-    def __init__(self, manager: Manager, config: RunnerConfig) -> None:
-        self._manager = manager
-        self._settings = RunnerSettings.of(config)
-        engine = manager._engine
-        self._poller = Poller(engine, self._settings)
+    def __init__(
+        self,
+        executor: Executor,
+        settings: RunnerSettings,
+        *,
+        conninfo: str,
+        kwargs: dict[str, Any],
+        check: Callable[[], None],
+    ) -> None:
+        self._executor = executor
+        self._settings = settings
+        self._check = check
+        self._poller = Poller(executor, settings)
         self._sweeper = (
-            Sweeper(engine, self._settings.sweep_interval, self._poller.wake)
-            if self._settings.sweep_enabled
+            Sweeper(executor, settings.sweep_interval, self._poller.wake)
+            if settings.sweep_enabled
             else None
         )
-        pool = manager._pool
-        conninfo = pool.conninfo() if callable(pool.conninfo) else pool.conninfo
-        kwargs = pool.kwargs() if callable(pool.kwargs) else pool.kwargs
         self._listener = (
             Listener(
-                engine,
+                executor.store,
+                executor.log,
                 conninfo,
-                dict(kwargs or {}),
-                engine.registry.names(),
+                kwargs,
+                executor.registry.names(),
                 self._poller.wake,
             )
-            if self._settings.listen
+            if settings.listen
             else None
         )
         self._stopped = threading.Event()  # stop() has begun: start() does nothing
@@ -65,7 +78,7 @@ class Runnable:
         nothing after `stop()`. Raises `WorkflowError` when the manager is closed
         or was built before a `fork()`.
         """
-        self._manager._check_usable(runnable=True)
+        self._check()
         with self._lock:
             if self._started or self._stopped.is_set():
                 return
@@ -88,7 +101,7 @@ class Runnable:
         this manager executes (it would wait for its own execution).
         """
         limit = None if timeout is None else seconds(timeout, "timeout")
-        self._manager._refuse_inside_handler("stop()")
+        refuse_inside_handler(self._executor, "stop()")
         deadline = None if limit is None else time.monotonic() + limit
 
         def left() -> float | None:
@@ -99,8 +112,7 @@ class Runnable:
         for service in (self._listener, self._poller):
             if service is not None:
                 service.stop(left())
-        drained = self._manager._drain(left())
-        drained = self._poller.wait_idle(left()) and drained
+        drained = self._executor.drain(left())
         if self._sweeper is not None:
             self._sweeper.stop(left())
         self._done.set()

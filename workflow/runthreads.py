@@ -1,4 +1,4 @@
-"""The fast path's thread pool: a few threads taking jobs from one queue.
+"""The run threads of the fast path and of each poller: a few threads taking jobs from one queue.
 
 `concurrent.futures.ThreadPoolExecutor` does more per job than the fast path
 needs: a `Future` with its `Condition`, and a Python-level semaphore taken on
@@ -14,7 +14,6 @@ for the threads, so executions in flight finish rather than being cut off.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import queue
 import threading
@@ -22,19 +21,21 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workflow.logs import EngineLog
+
 _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 
 
 class RunThreads:
     """Up to `size` threads, started on demand, running submitted calls in order."""
 
-    def __init__(self, size: int, name: str, logger: logging.Logger) -> None:
+    def __init__(self, size: int, name: str, log: EngineLog) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = (
             queue.SimpleQueue()
         )
         self._size = size
         self._name = name
-        self._logger = logger
+        self._log = log
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads back from a job and not yet handed another
         self._lock = threading.Lock()
@@ -75,7 +76,7 @@ class RunThreads:
             try:
                 fn(arg)
             except BaseException:
-                self._logger.exception("workflow: a fast-path thread's job raised")
+                self._log.exception("a run thread's job raised")
             del item, fn, arg
             with self._lock:
                 self._idle += 1

@@ -9,42 +9,43 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workflow.executor import Engine
+from workflow.events import ClaimsSwept
+from workflow.executor import Executor
 from workflow.service import Service
 
 _BATCH = 500
 
 
 class Sweeper(Service):
-    """Sweeps stale claims every `interval` seconds until stopped."""
+    """Sweeps stale claims every `interval` seconds until stopped; `wake()`s after a sweep."""
 
     name = "workflow-sweeper"
 
-    def __init__(self, engine: Engine, interval: float, swept: Callable[[], None]) -> None:
+    def __init__(self, executor: Executor, interval: float, wake: Callable[[], None]) -> None:
         super().__init__()
-        self._engine = engine
+        self._executor = executor
         self._interval = interval
-        self._swept = swept
+        self._wake_poller = wake
 
     def sweep(self) -> int:
         """Release every stale claim now; how many were released."""
-        engine = self._engine
+        executor = self._executor
+        max_age = executor.settings.sweep_max_age
         total = 0
         while True:
-            run_ids = engine.store.sweep(engine.settings.sweep_max_age, _BATCH)
+            run_ids = executor.store.sweep(max_age, _BATCH)
             for run_id in run_ids:
-                engine.logger.warning(
-                    "workflow: run %s: released a stale claim (no heartbeat for %gs); the "
-                    "abandoned attempt counts",
-                    run_id,
-                    engine.settings.sweep_max_age,
-                    extra={"run_id": str(run_id)},
+                executor.log.for_run(run_id).warning(
+                    "released a stale claim (no heartbeat for %gs); the abandoned attempt counts",
+                    max_age,
                 )
+            if run_ids and executor.events.active:
+                executor.events.emit(ClaimsSwept(tuple(run_ids)))
             total += len(run_ids)
             if len(run_ids) < _BATCH:
                 break
         if total:
-            self._swept()
+            self._wake_poller()
         return total
 
     def _loop(self) -> None:
@@ -52,5 +53,5 @@ class Sweeper(Service):
             try:
                 self.sweep()
             except Exception:
-                self._engine.logger.exception("workflow: sweeper: sweeping stale claims failed")
+                self._executor.log.exception("sweeper: sweeping stale claims failed")
             self._sleep(self._interval)

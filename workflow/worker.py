@@ -5,54 +5,70 @@
         [--sweep-interval S] [--no-listen] [--log-level LEVEL]
 
 `FACTORY` is a callable returning a `workflow.Registry` or a `workflow.App`
-(registry, config, logger), or such an object itself. It is imported and called
-here, in the worker process, after the current directory is put on `sys.path`.
-The URL defaults to `$WORKFLOW_DATABASE_URL`.
+(registry, config, logger), or such an object itself (`workflow.app.load_app`).
+It is imported and called here, in the worker process, after the current
+directory is put on `sys.path`. The URL defaults to `$WORKFLOW_DATABASE_URL`.
 
 The worker builds a `Manager` over a pool of its own and runs one `Runnable` until
-SIGTERM or SIGINT, which drains it (in-flight attempts finish and are recorded,
-claims are released) and exits 0; a second signal exits at once. Exit codes: 0
-after a drain; 2 for a usage error, a bad `--app` included (no such module or
-attribute, or a factory that returns something else); 1 for the rest (the
-application's import or factory raising, an unreachable database, an outdated
-schema). Each failure is exactly one line on stderr, no traceback.
+SIGTERM or SIGINT, which drains it (runnable.py says what a drain does) and exits
+0; a second signal exits at once. Exit codes: 0 after a drain; 2 for a usage
+error, a bad `--app` included (no such module or attribute, or a factory that
+returns something else); 1 for the rest (the application's import or factory
+raising, an unreachable database, an outdated schema). Each failure is exactly
+one line on stderr, no traceback.
 
 `--no-listen` is for a transaction-mode pooler (PgBouncer): it also turns off
 psycopg's server-side prepared statements (`prepare_threshold=None`), which
 PgBouncer before 1.21 cannot carry from one server connection to the next.
+
+Another command can wrap this one (Django's `manage.py workflow_worker` does):
+`add_arguments(parser)` adds these options to its parser, and `serve(options,
+signals)` runs the worker inside `handling_signals()`.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import logging
 import os
-import re
-import reprlib
 import select
 import signal
 import sys
 import threading
-import traceback
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, NoReturn
+from typing import Any
 
 import psycopg
-from psycopg_pool import ConnectionPool
 
-from workflow.config import App, Config, RunnerConfig, RunnerSettings, Settings
-from workflow.definition import Registry
+from workflow._cli import (
+    CommandFailed,
+    Parser,
+    UsageError,
+    add_database_url,
+    database_url,
+    run,
+)
+from workflow.app import App, AppFailed, AppNotFound, load_app, parse_spec
+from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.errors import WorkflowError
 from workflow.logs import ALERT
 from workflow.manager import Manager
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
-from workflow.store.connection import connect_explained, normalize_url
+from workflow.store.connections import connect_explained, make_pool, one_line
+
+__all__ = [
+    "CommandFailed",
+    "Signals",
+    "UsageError",
+    "add_arguments",
+    "handling_signals",
+    "main",
+    "serve",
+]
 
 PROG = "python -m workflow.worker"
-URL_ENV = "WORKFLOW_DATABASE_URL"
 
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(name)s] %(message)s"
 LOG_LEVELS = {
@@ -65,38 +81,6 @@ LOG_LEVELS = {
     "FATAL": logging.CRITICAL,
     "ALERT": ALERT,
 }
-
-_APP_SPEC = re.compile(
-    r"^(?P<module>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*):(?P<attr>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$"
-)
-
-
-class _UsageError(Exception):
-    """A bad command line: one line on stderr, exit code 2."""
-
-
-class _Failure(Exception):
-    """A failure the user can act on: one line on stderr, exit code 1."""
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, with usage errors raised (and printed as one line) instead of exiting."""
-
-    def error(self, message: str) -> NoReturn:
-        raise _UsageError(f"{self.prog}: {message} (see --help)")
-
-
-def _one_line(text: object) -> str:
-    """`text` with every run of whitespace (newlines included) made one space."""
-    return " ".join(str(text).split())
-
-
-def _where(exc: BaseException) -> str:
-    """` (at FILE:LINE)` of the innermost frame `exc` was raised from, or ''."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    if not frames:
-        return ""
-    return f" (at {frames[-1].filename}:{frames[-1].lineno})"
 
 
 # The command line.
@@ -130,33 +114,35 @@ def _log_level(text: str) -> int:
     return level
 
 
-def _app_spec(text: str) -> tuple[str, str]:
-    match = _APP_SPEC.match(text.strip())
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not PACKAGE.MODULE:FACTORY (e.g. myapp.workflows:registry)"
-        )
-    return match["module"], match["attr"]
+def _app_spec(text: str) -> str:
+    try:
+        parse_spec(text)
+    except AppNotFound as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
 
 
-def _parser() -> _Parser:
-    parser = _Parser(
-        prog=PROG,
-        description=(
-            "Run one pgworkflow worker: claim runs left in the tables, execute them, sweep "
-            "stale claims. SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
-        ),
-    )
+def add_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    app_help: str | None = None,
+    app_required: bool = True,
+    database_url_help: str | None = None,
+) -> None:
+    """Add the worker's options to `parser` (another command that wraps this one uses it).
+
+    `app_required=False` and the helps let the wrapper supply its own defaults
+    for `--app` and `--database-url`.
+    """
     parser.add_argument(
         "--app",
-        required=True,
+        required=app_required,
         type=_app_spec,
         metavar="PACKAGE.MODULE:FACTORY",
-        help="a callable returning a workflow.Registry or workflow.App (or such an object)",
+        help=app_help
+        or "a callable returning a workflow.Registry or workflow.App (or such an object)",
     )
-    parser.add_argument(
-        "--database-url", metavar="URL", help=f"a postgresql:// URL (default: ${URL_ENV})"
-    )
+    add_database_url(parser, database_url_help)
     parser.add_argument(
         "--concurrency", type=_positive_int, metavar="N", help="runs executed at once (4)"
     )
@@ -196,88 +182,18 @@ def _parser() -> _Parser:
         metavar="LEVEL",
         help="debug, info, warning, error, critical or alert, any case (info)",
     )
+
+
+def _parser() -> Parser:
+    parser = Parser(
+        prog=PROG,
+        description=(
+            "Run one pgworkflow worker: claim runs left in the tables, execute them, sweep "
+            "stale claims. SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
+        ),
+    )
+    add_arguments(parser)
     return parser
-
-
-# The application.
-
-
-def _import_app(module_name: str, attr: str) -> App:
-    """Import `module_name`, resolve `attr`, call it if needed.
-
-    `_UsageError` (exit 2) when the spec names nothing usable: no such module or
-    attribute, or something that is not (and does not return) a Registry or an
-    App. `_Failure` (exit 1) when the application's own code fails: its import
-    raises, or its factory does.
-    """
-    spec = f"{module_name}:{attr}"
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        missing = exc.name or ""
-        if module_name == missing or module_name.startswith(missing + "."):
-            raise _UsageError(
-                f"workflow: --app {spec}: no module named {missing!r} (run from the "
-                "project's root directory or put it on PYTHONPATH)"
-            ) from None
-        raise _Failure(
-            f"workflow: --app {spec}: importing {module_name!r} failed: "
-            f"{type(exc).__name__}: {_one_line(exc)}{_where(exc)}"
-        ) from None
-    except Exception as exc:
-        raise _Failure(
-            f"workflow: --app {spec}: importing {module_name!r} failed: "
-            f"{type(exc).__name__}: {_one_line(exc)}{_where(exc)}"
-        ) from None
-    target: Any = module
-    for part in attr.split("."):
-        try:
-            target = getattr(target, part)
-        except AttributeError:
-            raise _UsageError(
-                f"workflow: --app {spec}: module {module_name!r} has no attribute {attr!r}"
-            ) from None
-    if not isinstance(target, (Registry, App)):
-        if not callable(target):
-            raise _UsageError(
-                f"workflow: --app {spec}: {attr} is {reprlib.repr(target)} (type "
-                f"{type(target).__name__}), not a workflow.Registry, a workflow.App, or a "
-                "callable returning one"
-            )
-        try:
-            target = target()
-        except Exception as exc:
-            raise _Failure(
-                f"workflow: --app {spec}: {attr}() raised {type(exc).__name__}: "
-                f"{_one_line(exc)}{_where(exc)}"
-            ) from None
-        if not isinstance(target, (Registry, App)):
-            raise _UsageError(
-                f"workflow: --app {spec}: {attr}() returned {reprlib.repr(target)} "
-                f"(type {type(target).__name__}), not a workflow.Registry or a workflow.App"
-            )
-    app = target if isinstance(target, App) else App(target)
-    if not isinstance(app.registry, Registry):
-        raise _UsageError(
-            f"workflow: --app {spec}: the App's registry is a {type(app.registry).__name__}, "
-            "not a workflow.Registry"
-        )
-    if app.config is not None and not isinstance(app.config, Config):
-        raise _UsageError(
-            f"workflow: --app {spec}: the App's config is a {type(app.config).__name__}, "
-            "not a workflow.Config"
-        )
-    if app.logger is not None and not isinstance(app.logger, logging.Logger):
-        raise _UsageError(
-            f"workflow: --app {spec}: the App's logger is a {type(app.logger).__name__}, "
-            "not a logging.Logger"
-        )
-    if not app.registry.names():
-        raise _UsageError(f"workflow: --app {spec}: the registry has no workflows registered")
-    return app
 
 
 def _configure_logging(level: int | None) -> None:
@@ -295,15 +211,8 @@ def _configure_logging(level: int | None) -> None:
 # The database.
 
 
-def _database_url(args: argparse.Namespace) -> str:
-    url: str | None = args.database_url or os.environ.get(URL_ENV)
-    if not url:
-        raise _UsageError(f"{PROG}: no database URL: pass --database-url URL or set ${URL_ENV}")
-    return normalize_url(url)
-
-
 def _check_database(url: str) -> None:
-    """Connect once and compare schema versions; `_Failure` with one clear line otherwise.
+    """Connect once and compare schema versions; `CommandFailed` with one clear line otherwise.
 
     The manager's pool would retry an unreachable server for its whole open
     timeout; one plain connection fails at once with the server's own reason.
@@ -312,37 +221,17 @@ def _check_database(url: str) -> None:
         with connect_explained(url) as conn:
             found = schema_version(conn)
     except WorkflowError as exc:
-        raise _Failure(str(exc)) from None
+        raise CommandFailed(str(exc)) from None
     except psycopg.Error as exc:
-        raise _Failure(f"workflow: cannot read the schema version: {_one_line(exc)}") from None
+        raise CommandFailed(f"workflow: cannot read the schema version: {one_line(exc)}") from None
     if found < SCHEMA_VERSION:
-        raise _Failure(_one_line(SchemaOutdated(found, SCHEMA_VERSION)))
-
-
-def _pool(url: str, config: Config, listen: bool) -> ConnectionPool[Any]:
-    """The manager's pool (not open yet), sized as `Manager(url)` sizes the pool it builds.
-
-    Poll-only (`--no-listen`) means a transaction-mode pooler may sit in between:
-    no server-side prepared statements then, since a statement prepared on one
-    server connection is unknown on the next (or already taken there).
-    """
-    kwargs: dict[str, Any] = {"autocommit": True}
-    if not listen:
-        kwargs["prepare_threshold"] = None
-    return ConnectionPool(
-        url,
-        min_size=1,
-        max_size=Settings.of(config).pool_size,
-        kwargs=kwargs,
-        open=False,
-        name="workflow",
-    )
+        raise CommandFailed(one_line(SchemaOutdated(found, SCHEMA_VERSION)))
 
 
 # Signals.
 
 
-class _Signals:
+class Signals:
     """SIGTERM and SIGINT: the first asks for a drain, a second exits at once.
 
     The handler only records the signal: Python wakes the main thread through a
@@ -398,8 +287,9 @@ class _Signals:
 
 
 @contextlib.contextmanager
-def _signals() -> Iterator[_Signals]:
-    signals = _Signals()
+def handling_signals() -> Iterator[Signals]:
+    """SIGTERM and SIGINT handled for the block (`Signals`); call it in the main thread."""
+    signals = Signals()
     signals.install()
     try:
         yield signals
@@ -410,14 +300,14 @@ def _signals() -> Iterator[_Signals]:
 # The worker.
 
 
-def _runner_config(args: argparse.Namespace) -> RunnerConfig:
+def _runner_config(options: argparse.Namespace) -> RunnerConfig:
     return RunnerConfig(
-        poll_interval=args.poll_interval,
-        batch_size=args.batch_size,
-        concurrency=args.concurrency,
-        sweep_enabled=args.sweep,
-        sweep_interval=args.sweep_interval,
-        listen=args.listen,
+        poll_interval=options.poll_interval,
+        batch_size=options.batch_size,
+        concurrency=options.concurrency,
+        sweep_enabled=options.sweep,
+        sweep_interval=options.sweep_interval,
+        listen=options.listen,
     )
 
 
@@ -432,14 +322,33 @@ def _describe(config: RunnerConfig, app: App) -> str:
     )
 
 
-def _serve(args: argparse.Namespace, signals: _Signals) -> int:
-    url = _database_url(args)
-    module_name, attr = args.app
-    app = _import_app(module_name, attr)
-    _configure_logging(args.log_level)
+def _load(spec: str) -> App:
+    try:
+        return load_app(spec)
+    except AppNotFound as exc:
+        raise UsageError(str(exc)) from None
+    except AppFailed as exc:
+        raise CommandFailed(str(exc)) from None
+
+
+def serve(options: argparse.Namespace, signals: Signals) -> int:
+    """Run the worker the options of `add_arguments` describe, until `signals` get one.
+
+    Loads the app, checks the database, builds a Manager over a pool of its own
+    and runs one Runnable; on the first signal drains it and returns 0. Raises
+    `UsageError` (exit 2: a bad `--app`, no database URL) and `CommandFailed`
+    (exit 1: an application that fails to load, an unreachable database, an
+    outdated schema, a config the manager refuses), each one line.
+    """
+    url = database_url(options.database_url, PROG)
+    app = options.app if isinstance(options.app, App) else _load(options.app)
+    _configure_logging(options.log_level)
     _check_database(url)
-    runner_config = _runner_config(args)
-    pool = _pool(url, app.config or Config(), args.listen)
+    runner_config = _runner_config(options)
+    config = app.config or Config()
+    pool = make_pool(
+        url, max_size=Settings.of(config).pool_size, prepared=bool(options.listen)
+    )
     try:
         pool.open(wait=True, timeout=30.0)
         manager = Manager(pool, app.registry, app.config, logger=app.logger)
@@ -448,7 +357,7 @@ def _serve(args: argparse.Namespace, signals: _Signals) -> int:
         text = str(exc)
         if not text.startswith("workflow: "):
             text = f"workflow: cannot start the worker: {text}"
-        raise _Failure(text) from None
+        raise CommandFailed(text) from None
     logger = manager.logger
     try:
         runnable = manager.new_runnable(runner_config)
@@ -481,18 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is not threading.main_thread():
         print(f"{PROG}: main() must run in the main thread (it handles signals)", file=sys.stderr)
         return 2
-    with _signals() as signals:
-        try:
-            args = _parser().parse_args(argv)
-            return _serve(args, signals)
-        except _UsageError as exc:
-            print(_one_line(exc), file=sys.stderr)
-            return 2
-        except _Failure as exc:
-            print(_one_line(exc), file=sys.stderr)
-            return 1
-        except SystemExit as exc:  # --help
-            return exc.code if isinstance(exc.code, int) else 0
+    with handling_signals() as signals:
+        return run(lambda: serve(_parser().parse_args(argv), signals))
 
 
 if __name__ == "__main__":

@@ -60,7 +60,7 @@ def _claim_of_executor() -> uuid.UUID | None:
     """The claim id of the engine's execution calling this handler, from its frame.
 
     Test-only introspection: the executor method that calls a handler has the
-    execution as `self`, holding its `lease` (run id, claim id). None if the
+    execution as `self`, holding its `claim` (run id, claim id). None if the
     engine's internals no longer look like that (the checks then use the claim the
     database showed when the handler began).
     """
@@ -68,8 +68,8 @@ def _claim_of_executor() -> uuid.UUID | None:
     for _ in range(8):
         if frame is None:
             break
-        lease = getattr(frame.f_locals.get("self"), "lease", None)
-        claim = getattr(lease, "claim_id", None)
+        held = getattr(frame.f_locals.get("self"), "claim", None)
+        claim = getattr(held, "claim_id", None)
         if isinstance(claim, uuid.UUID):
             return claim
         frame = frame.f_back

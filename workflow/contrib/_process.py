@@ -20,10 +20,12 @@ from typing import Any
 import attrs
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from workflow.config import App, Config, Settings
+from workflow.app import App
+from workflow.config import Config, Settings
 from workflow.durations import Duration
 from workflow.errors import WorkflowError
 from workflow.manager import Manager
+from workflow.store.connections import make_pool
 
 OPEN_TIMEOUT = 10.0
 """Seconds to wait for the pool's first connection before giving up."""
@@ -36,14 +38,22 @@ class _Built:
     manager: Manager
 
 
-_instances: weakref.WeakSet[ProcessManager] = weakref.WeakSet()
+class _ForkSafeLock:
+    """A lock made new in a forked child: one held by another thread of the parent at
+    fork time would stay held forever there."""
+
+    __slots__ = ("__weakref__", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+
+_locks: weakref.WeakSet[_ForkSafeLock] = weakref.WeakSet()
 
 
 def _after_fork_in_child() -> None:
-    # A lock held by another thread of the parent at fork time stays held forever
-    # in the child: every instance gets a fresh one.
-    for instance in list(_instances):
-        instance._lock = threading.Lock()
+    for guard in list(_locks):
+        guard.lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -82,12 +92,12 @@ class ProcessManager:
         self._conninfo = conninfo
         self._app = app
         self._pool_options = pool_options
-        self._lock = threading.Lock()
+        self._guard = _ForkSafeLock()
+        _locks.add(self._guard)
         self._built: _Built | None = None
         # Objects inherited from a parent process, kept referenced so that nothing
         # finalizes them in this one.
         self._inherited: list[_Built] = []
-        _instances.add(self)
         atexit.register(_close_at_exit, weakref.ref(self))
 
     def _current(self) -> _Built:
@@ -95,7 +105,7 @@ class ProcessManager:
         built = self._built
         if built is not None and built.pid == pid:
             return built
-        with self._lock:
+        with self._guard.lock:
             built = self._built
             if built is not None and built.pid == pid:
                 return built
@@ -107,16 +117,10 @@ class ProcessManager:
 
     def _build(self, pid: int) -> _Built:
         app = self._app()
-        options: dict[str, Any] = {
-            "min_size": 1,
-            "max_size": pool_size(app.config),
-            "kwargs": {"autocommit": True},
-            "name": self._name,
-        }
-        if self._pool_options is not None:
-            options.update(self._pool_options())
-        options["open"] = False
-        pool: ConnectionPool[Any] = ConnectionPool(self._conninfo(), **options)
+        options: dict[str, Any] = dict(self._pool_options() if self._pool_options else {})
+        options.setdefault("max_size", pool_size(app.config))
+        options.setdefault("name", self._name)
+        pool = make_pool(self._conninfo(), **options)
         try:
             try:
                 pool.open(wait=True, timeout=OPEN_TIMEOUT)
@@ -157,7 +161,7 @@ class ProcessManager:
 
         Does nothing when this process built nothing; the next use builds afresh.
         """
-        with self._lock:
+        with self._guard.lock:
             built = self._built
             if built is None or built.pid != os.getpid():
                 return

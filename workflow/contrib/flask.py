@@ -34,7 +34,8 @@ from flask import Flask, current_app, has_app_context
 from psycopg_pool import ConnectionPool
 from werkzeug.local import LocalProxy
 
-from workflow.config import App, Config
+from workflow.app import App
+from workflow.config import Config
 from workflow.contrib._process import ProcessManager
 from workflow.definition import Registry
 from workflow.durations import Duration

@@ -1,4 +1,5 @@
-"""Applying the `workflow_migrations` yoyo chain, and reading the database's version.
+"""Applying the `workflow_migrations` yoyo chain, reading the database's version, and
+creating or dropping a scratch database (the demo's).
 
 yoyo is used as a library with three changes: every bookkeeping table carries
 our prefix (`workflow_yoyo_*`), so the application's own yoyo chain never sees
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import psycopg
-from psycopg import pq
+from psycopg import pq, sql
 from psycopg.rows import tuple_row
 from yoyo import read_migrations
 from yoyo.backends.core.postgresql import PostgresqlPsycopgBackend
@@ -25,7 +26,7 @@ from yoyo.connections import parse_uri
 
 import workflow_migrations
 from workflow.errors import WorkflowError
-from workflow.store.connection import connect
+from workflow.store.connections import connect
 
 SCHEMA_VERSION = 3
 """The number of the newest migration in the chain this code was built with."""
@@ -154,3 +155,18 @@ def check_schema(conn: psycopg.Connection[Any]) -> None:
     found = schema_version(conn)
     if found < SCHEMA_VERSION:
         raise SchemaOutdated(found, SCHEMA_VERSION)
+
+
+def create_database(conn: psycopg.Connection[Any], name: str) -> bool:
+    """Create database `name` (autocommit `conn`); False when the role may not."""
+    try:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    except psycopg.errors.InsufficientPrivilege:
+        return False
+    return True
+
+
+def drop_database(conn: psycopg.Connection[Any], name: str) -> None:
+    """Drop database `name` if it exists, ending its sessions (autocommit `conn`)."""
+    force = " WITH (FORCE)" if conn.info.server_version >= 130000 else ""
+    conn.execute(sql.SQL("DROP DATABASE IF EXISTS {}" + force).format(sql.Identifier(name)))

@@ -1,6 +1,7 @@
 -- Every statement pgworkflow sends, each under a `-- name: ...` header and one line
 -- saying what it does. Loaded by name in workflow/store/__init__.py, the only
--- module that runs them. Writes made after a claim carry `claim_id = %(claim_id)s`:
+-- module that runs them. Wake-ups go to the channel `%(channel)s` (store.CHANNEL),
+-- their payload a workflow name. Writes made after a claim carry `claim_id = %(claim_id)s`:
 -- zero rows back means another executor owns the run. A write that lets go of the
 -- claim records it in `released_claim`, so the same write retried after its reply
 -- was lost can tell that its own earlier try landed (`released`).
@@ -32,7 +33,7 @@ WITH run AS (
          unnest(%(names)s::text[], %(skipped)s::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
 )
 SELECT run.id,
-       (SELECT pg_notify('workflow_runs', %(workflow)s) WHERE %(wake)s)
+       (SELECT pg_notify(%(channel)s, %(workflow)s) WHERE %(wake)s)
 FROM run;
 
 
@@ -108,11 +109,11 @@ ORDER BY c.created_at, c.id, t.seq;
 WITH run AS (
     UPDATE workflow_runs
     SET current_seq = %(next_seq)s,
-        status = CASE WHEN %(done)s THEN 'succeeded' ELSE status END,
-        finished_at = CASE WHEN %(done)s THEN now() END,
-        claim_id = CASE WHEN %(done)s THEN NULL ELSE claim_id END,
-        heartbeat_at = CASE WHEN %(done)s THEN NULL ELSE now() END,
-        released_claim = CASE WHEN %(done)s THEN claim_id END
+        status = CASE WHEN %(finishes)s THEN 'succeeded' ELSE status END,
+        finished_at = CASE WHEN %(finishes)s THEN now() END,
+        claim_id = CASE WHEN %(finishes)s THEN NULL ELSE claim_id END,
+        heartbeat_at = CASE WHEN %(finishes)s THEN NULL ELSE now() END,
+        released_claim = CASE WHEN %(finishes)s THEN claim_id END
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id
 )
@@ -124,16 +125,30 @@ RETURNING t.seq;
 
 
 -- name: fail_task
--- Record a failed attempt (or a park that spends none): retry later, keep or drop the claim, or park (fenced).
+-- Record a failed attempt: retry after `delay` seconds, under the claim or released for a poller (fenced).
 -- The attempt count is absolute (the executor knows it under its claim), so a retry cannot count twice.
 WITH run AS (
     UPDATE workflow_runs
-    SET status = CASE WHEN %(park)s THEN 'parked' ELSE status END,
-        finished_at = CASE WHEN %(park)s THEN now() END,
-        claim_id = CASE WHEN %(keep_claim)s THEN claim_id END,
+    SET claim_id = CASE WHEN %(keep_claim)s THEN claim_id END,
         heartbeat_at = CASE WHEN %(keep_claim)s THEN now() END,
         released_claim = CASE WHEN %(keep_claim)s THEN NULL ELSE claim_id END,
         next_retry_at = now() + make_interval(secs => %(delay)s)
+    WHERE id = %(id)s AND claim_id = %(claim_id)s
+    RETURNING id
+)
+UPDATE workflow_tasks t
+SET attempts = %(attempts)s, error = %(error)s, error_code = %(code)s, failed_at = now()
+FROM run
+WHERE t.run_id = run.id AND t.seq = %(seq)s
+RETURNING t.attempts;
+
+
+-- name: park_run
+-- Park the run on its task `seq`, stopped for a person with the last error, its claim let go (fenced).
+WITH run AS (
+    UPDATE workflow_runs
+    SET status = 'parked', finished_at = now(), claim_id = NULL, heartbeat_at = NULL,
+        released_claim = claim_id
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id
 )
@@ -158,7 +173,7 @@ WITH run AS (
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id, workflow, next_retry_at <= now() AS due
 )
-SELECT run.id, CASE WHEN run.due THEN pg_notify('workflow_runs', run.workflow) END
+SELECT run.id, CASE WHEN run.due THEN pg_notify(%(channel)s, run.workflow) END
 FROM run;
 
 
@@ -195,7 +210,7 @@ WITH stale AS (
     FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
     RETURNING t.run_id
 )
-SELECT run.id, pg_notify('workflow_runs', run.workflow) FROM run;
+SELECT run.id, pg_notify(%(channel)s, run.workflow) FROM run;
 
 
 -- name: run_status
@@ -218,5 +233,5 @@ SELECT current_database();
 
 
 -- name: listen
--- Subscribe this session to the wake-up channel (the listener's own connection).
+-- Subscribe this session to the wake-up channel (the listener's own connection); store.CHANNEL.
 LISTEN workflow_runs;

@@ -19,14 +19,13 @@ psycopg 3 backend.
 
 from __future__ import annotations
 
-import uuid
 from typing import TypeVar
 
 from django.apps import apps as django_apps
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections, transaction
 
-from workflow.config import App
+from workflow.app import App
 from workflow.contrib.django import conf
 from workflow.contrib.django.apps import WorkflowConfig
 from workflow.definition import Workflow
@@ -124,7 +123,7 @@ def start_on_commit(
 def _kick(manager: Manager, run: Run) -> None:
     """Claim `run` by id and execute it on the fast path; a worker gets it otherwise."""
     try:
-        manager._kick(uuid.UUID(run.id))
+        manager.kick(run.id)
     except Exception:
         # The transaction has committed: the run is safe in the table, and failing
         # the request now would tell the caller otherwise.

@@ -7,7 +7,7 @@ from typing import Any
 
 from django.apps import AppConfig
 
-from workflow.config import App
+from workflow.app import App
 from workflow.contrib._process import ProcessManager
 from workflow.contrib.django import conf
 

@@ -23,9 +23,10 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
 from psycopg.conninfo import make_conninfo
 
-from workflow import worker
-from workflow.config import App, Config
+from workflow.app import App, AppFailed, AppNotFound, load_app
+from workflow.config import Config
 from workflow.definition import Registry
+from workflow.store.connections import one_line
 
 SETTING = "WORKFLOW"
 KEYS = ("REGISTRY", "CONFIG", "DATABASE_ALIAS")
@@ -95,12 +96,9 @@ def app() -> App:
         resolved = spec if isinstance(spec, App) else App(spec)
     elif isinstance(spec, str):
         try:
-            module_name, attr = worker._app_spec(spec)
-            resolved = worker._import_app(module_name, attr)
-        except Exception as exc:  # argparse.ArgumentTypeError, worker._Failure
-            raise ImproperlyConfigured(
-                f'settings.{SETTING}["REGISTRY"]: {worker._one_line(exc)}'
-            ) from None
+            resolved = load_app(spec)
+        except (AppNotFound, AppFailed) as exc:
+            raise ImproperlyConfigured(f'settings.{SETTING}["REGISTRY"]: {one_line(exc)}') from None
     else:
         raise ImproperlyConfigured(
             f'settings.{SETTING}["REGISTRY"] must be "package.module:factory", '

@@ -10,8 +10,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from workflow import worker
 from workflow.contrib.django import conf
+from workflow.store.connections import one_line
 
-DEFAULT_APP = ("workflow.contrib.django", "workflow_app")
+DEFAULT_APP = "workflow.contrib.django:workflow_app"
+"""The app the command runs without `--app`: the `WORKFLOW` setting's registry and config."""
 
 
 class Command(BaseCommand):
@@ -24,32 +26,30 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser: CommandParser) -> None:
         # The worker's own options, validators and help, so the two never drift apart.
-        self._dests: list[str] = []
-        for action in worker._parser()._actions:
-            if isinstance(action, argparse._HelpAction):
-                continue
-            if action.dest == "app":
-                action.required = False
-                action.help = (
-                    f"{action.help} (default: settings.WORKFLOW['REGISTRY'] and ['CONFIG'])"
-                )
-            if action.dest == "database_url":
-                action.help = "a postgresql:// URL (default: WORKFLOW['DATABASE_ALIAS']'s settings)"
-            parser._add_action(action)
-            self._dests.append(action.dest)
+        worker.add_arguments(
+            parser,
+            app_required=False,
+            app_help=(
+                "a callable returning a workflow.Registry or workflow.App (default: "
+                "settings.WORKFLOW['REGISTRY'] and ['CONFIG'])"
+            ),
+            database_url_help=(
+                "a postgresql:// URL (default: WORKFLOW['DATABASE_ALIAS']'s settings)"
+            ),
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise CommandError("workflow_worker must run in the main thread (it handles signals)")
-        namespace = argparse.Namespace(**{dest: options.get(dest) for dest in self._dests})
+        namespace = argparse.Namespace(**options)
         if namespace.app is None:
             namespace.app = DEFAULT_APP
         if not namespace.database_url:
             namespace.database_url = conf.connection_settings(conf.database_alias())[0]
-        with worker._signals() as signals:
+        with worker.handling_signals() as signals:
             try:
-                worker._serve(namespace, signals)
-            except worker._UsageError as exc:
-                raise CommandError(worker._one_line(exc), returncode=2) from None
-            except worker._Failure as exc:
-                raise CommandError(worker._one_line(exc), returncode=1) from None
+                worker.serve(namespace, signals)
+            except worker.UsageError as exc:
+                raise CommandError(one_line(exc), returncode=2) from None
+            except worker.CommandFailed as exc:
+                raise CommandError(one_line(exc), returncode=1) from None

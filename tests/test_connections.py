@@ -1,18 +1,18 @@
-"""The Store's warm connections, against real PostgreSQL.
+"""The store's connections (`workflow/store/connections.py`), against real PostgreSQL.
 
 A Manager that builds its own pool keeps the connections it just used in a
-last-in-first-out stack in front of the pool (`Store(keep_warm=True)`), so the
-next statement reuses the most recently used backend. These tests pin what that
-must never do: hold a connection after `close()`, keep one a failed statement
-left unfit, keep one past `WARM_IDLE` unused or `WARM_FOR` out of the pool, or
-keep anything for a pool the caller lent.
+last-in-first-out stack in front of the pool (`keep_warm=True`), so the next
+statement reuses the most recently used backend. These tests pin what that must
+never do: hold a connection after `close()`, keep one a failed statement left
+unfit, keep one past `WARM_IDLE` unused or `WARM_FOR` out of the pool, or keep
+anything for a pool the caller lent. Ages are read on an injected clock, so no
+test sleeps past a limit.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -23,10 +23,11 @@ from helpers import Records, other_backends, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
-import workflow.store as store_mod
 from workflow.store import Store
+from workflow.store.connections import WARM_FOR, WARM_IDLE, Connections
 
 SIZE = 4
+LOG = logging.getLogger("test.connections")
 
 
 @pytest.fixture
@@ -42,8 +43,24 @@ def fixed_pool(engine_url: str) -> Iterator[ConnectionPool[Any]]:
     p.close()
 
 
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def available(pool: ConnectionPool[Any]) -> int:
     return int(pool.get_stats()["pool_available"])
+
+
+def backend(connections: Connections) -> int:
+    """One statement through `connections`: the backend that ran it."""
+    (row,) = connections.run("backend", "SELECT pg_backend_pid()", {})
+    return int(row[0])
 
 
 def read(store: Store) -> None:
@@ -51,25 +68,25 @@ def read(store: Store) -> None:
     assert store.run_status(uuid.uuid4()) is None
 
 
-def test_a_warm_store_reuses_the_connection_it_used_last(fixed_pool: ConnectionPool[Any]) -> None:
-    store = Store(fixed_pool, keep_warm=True)
-    read(store)
-    assert len(store._warm) == 1
-    first = store._warm[-1][0]
-    for _ in range(5):
-        read(store)
-        assert [entry[0] for entry in store._warm] == [first]
+@pytest.mark.direct("reads which backend ran each statement")
+def test_warm_connections_reuse_the_backend_used_last(fixed_pool: ConnectionPool[Any]) -> None:
+    connections = Connections(fixed_pool, LOG, keep_warm=True)
+    first = backend(connections)
+    assert connections.warm == 1
+    assert [backend(connections) for _ in range(5)] == [first] * 5
     assert available(fixed_pool) == SIZE - 1
-    store.close()
-    assert store._warm == []
+    connections.close()
+    assert connections.warm == 0
     assert available(fixed_pool) == SIZE
 
 
-def test_a_store_not_kept_warm_returns_every_connection(fixed_pool: ConnectionPool[Any]) -> None:
+def test_connections_not_kept_warm_return_every_connection(
+    fixed_pool: ConnectionPool[Any],
+) -> None:
     store = Store(fixed_pool)
     for _ in range(3):
         read(store)
-    assert store._warm == []
+    assert store.connections.warm == 0
     assert available(fixed_pool) == SIZE
 
 
@@ -89,39 +106,23 @@ def test_close_returns_connections_used_by_several_threads(
         t.start()
     for t in threads:
         t.join()
-    assert 1 <= len(store._warm) <= 3
-    assert available(fixed_pool) == SIZE - len(store._warm)
+    assert 1 <= store.connections.warm <= 3
+    assert available(fixed_pool) == SIZE - store.connections.warm
     store.close()
     assert available(fixed_pool) == SIZE
     # After close nothing is kept any more.
     read(store)
-    assert store._warm == []
+    assert store.connections.warm == 0
     assert available(fixed_pool) == SIZE
 
 
 def test_a_failed_statement_does_not_keep_its_connection(fixed_pool: ConnectionPool[Any]) -> None:
-    store = Store(fixed_pool, keep_warm=True)
-    params = {
-        "id": uuid.uuid4(),
-        "workflow": "W",
-        "status": "pending",
-        "idempotency_key": None,
-        "input": "1",
-        "input_sealed": None,
-        "context": None,
-        "context_sealed": None,
-        "task_count": 1,
-        "current_seq": 1,
-        "claim_id": None,
-        "names": "not an array literal",
-        "skipped": "{f}",
-        "wake": False,
-    }
+    connections = Connections(fixed_pool, LOG, keep_warm=True)
     with pytest.raises(psycopg.errors.InvalidTextRepresentation):
-        store.insert_run(None, params)
-    assert store._warm == []
+        connections.run("bad", "SELECT 'not an array literal'::text[]", {})
+    assert connections.warm == 0
     assert available(fixed_pool) == SIZE
-    store.close()
+    connections.close()
 
 
 def test_a_burst_wider_than_the_pool_never_waits_beside_warm_connections(
@@ -167,45 +168,56 @@ def test_a_burst_wider_than_the_pool_never_waits_beside_warm_connections(
         pool.close()
 
 
-def test_a_connection_unused_for_warm_idle_goes_back(
-    fixed_pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(store_mod, "WARM_IDLE", 0.2)
-    store = Store(fixed_pool, keep_warm=True)
-    # Two connections out at once (two concurrent statements), given back apart.
-    a, b = store._take(), store._take()
-    store._give_back(a[0], a[0].cursor(), a[2])
-    time.sleep(0.3)
-    store._give_back(b[0], b[0].cursor(), b[2])
-    assert [entry[0] for entry in store._warm] == [b[0]]
+def test_a_connection_unused_for_warm_idle_goes_back(fixed_pool: ConnectionPool[Any]) -> None:
+    clock = Clock()
+    connections = Connections(fixed_pool, LOG, keep_warm=True, clock=clock)
+    # Two connections out at once (two concurrent statements): both kept warm.
+    barrier = threading.Barrier(2)
+
+    def both() -> None:
+        barrier.wait()
+        connections.run("sleep", "SELECT pg_sleep(0.2)", {})
+
+    threads = [threading.Thread(target=both) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert connections.warm == 2
+    clock.now += WARM_IDLE + 1
+    backend(connections)  # reuses the last one; the other went unused too long
+    assert connections.warm == 1
     assert available(fixed_pool) == SIZE - 1
-    store.close()
+    connections.close()
 
 
 def test_tidy_returns_the_connections_unused_for_warm_idle(
-    fixed_pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
+    fixed_pool: ConnectionPool[Any],
 ) -> None:
-    monkeypatch.setattr(store_mod, "WARM_IDLE", 0.2)
-    store = Store(fixed_pool, keep_warm=True)
-    read(store)
-    store.tidy()  # used just now: stays
-    assert len(store._warm) == 1
-    time.sleep(0.3)
-    store.tidy()
-    assert store._warm == []
+    clock = Clock()
+    connections = Connections(fixed_pool, LOG, keep_warm=True, clock=clock)
+    backend(connections)
+    connections.tidy()  # used just now: stays
+    assert connections.warm == 1
+    clock.now += WARM_IDLE
+    connections.tidy()
+    assert connections.warm == 0
     assert available(fixed_pool) == SIZE
 
 
-def test_a_connection_out_for_warm_for_goes_back(
-    fixed_pool: ConnectionPool[Any], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(store_mod, "WARM_FOR", 0.2)
-    store = Store(fixed_pool, keep_warm=True)
-    read(store)
-    assert len(store._warm) == 1
-    time.sleep(0.3)
-    read(store)  # reuses it, then gives it back to the pool: out too long
-    assert store._warm == []
+def test_a_connection_out_for_warm_for_goes_back(fixed_pool: ConnectionPool[Any]) -> None:
+    clock = Clock()
+    connections = Connections(fixed_pool, LOG, keep_warm=True, clock=clock)
+    backend(connections)
+    assert connections.warm == 1
+    taken = clock.now
+    while clock.now + WARM_IDLE / 2 - taken < WARM_FOR:  # in use all along, never idle
+        clock.now += WARM_IDLE / 2
+        backend(connections)
+        assert connections.warm == 1
+    clock.now = taken + WARM_FOR
+    backend(connections)
+    assert connections.warm == 0, "reused, then given back to the pool: out too long"
     assert available(fixed_pool) == SIZE
 
 
@@ -229,10 +241,10 @@ def test_a_manager_with_its_own_pool_keeps_warm_and_close_releases_everything(
     try:
         runs = [WF.start(mgr, i) for i in range(20)]
         assert {run.wait(timeout=30) for run in runs} == {workflow.Status.SUCCEEDED}
-        assert mgr._store._warm
+        assert mgr._store.connections.warm
     finally:
         mgr.close(timeout=10)
-    assert mgr._store._warm == []
+    assert mgr._store.connections.warm == 0
     wait_until(lambda: other_backends(db) == 0, "every connection of the owned pool to close")
 
 
@@ -240,7 +252,7 @@ def test_a_manager_keeps_nothing_warm_from_a_pool_it_borrows(pool: ConnectionPoo
     mgr = workflow.Manager(pool, registry())
     try:
         assert WF.start(mgr, 1).wait(timeout=30) is workflow.Status.SUCCEEDED
-        assert mgr._store._warm == []
+        assert mgr._store.connections.warm == 0
     finally:
         mgr.close(timeout=10)
 
@@ -253,7 +265,7 @@ def test_warm_connections_killed_under_a_manager_are_ridden_out(
     try:
         runs = [WF.start(mgr, i) for i in range(10)]
         assert {run.wait(timeout=30) for run in runs} == {workflow.Status.SUCCEEDED}
-        assert mgr._store._warm
+        assert mgr._store.connections.warm
         db.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
             "WHERE datname = current_database() AND pid <> pg_backend_pid()"

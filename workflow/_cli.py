@@ -1,0 +1,69 @@
+"""What every command line of pgworkflow shares: one-line errors, exit codes, --database-url.
+
+`python -m workflow ...`, `python -m workflow.worker` and the Django management
+commands end the same way: exit 0 on success, 1 when refused or when something
+the user can act on failed (`CommandFailed`), 2 for a usage error
+(`UsageError`); every failure is exactly one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from typing import NoReturn
+
+from workflow.store.connections import normalize_url, one_line
+
+URL_ENV = "WORKFLOW_DATABASE_URL"
+"""The environment variable `--database-url` defaults to."""
+
+
+class UsageError(Exception):
+    """A bad command line: one line on stderr, exit code 2."""
+
+
+class CommandFailed(Exception):
+    """A failure the user can act on: one line on stderr, exit code 1."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors raised (and printed as one line) instead of exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def add_database_url(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    """Add `--database-url URL` to `parser` (default: `$WORKFLOW_DATABASE_URL`)."""
+    parser.add_argument(
+        "--database-url",
+        metavar="URL",
+        help=help or f"a postgresql:// URL (default: ${URL_ENV})",
+    )
+
+
+def database_url(given: str | None, prog: str) -> str:
+    """The URL given, else `$WORKFLOW_DATABASE_URL`, made plain; `UsageError` with neither."""
+    url = given or os.environ.get(URL_ENV)
+    if not url:
+        raise UsageError(f"{prog}: no database URL: pass --database-url URL or set ${URL_ENV}")
+    return normalize_url(url)
+
+
+def run(command: Callable[[], int]) -> int:
+    """Run `command`; its exit code, or 2 / 1 / 130 after one line on stderr."""
+    try:
+        return command()
+    except UsageError as exc:
+        print(one_line(exc), file=sys.stderr)
+        return 2
+    except CommandFailed as exc:
+        print(one_line(exc), file=sys.stderr)
+        return 1
+    except SystemExit as exc:  # --help, --version
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        print("workflow: interrupted", file=sys.stderr)
+        return 130

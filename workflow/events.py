@@ -1,0 +1,148 @@
+"""What happened in the engine, announced in one place for whoever listens.
+
+The executor, the start of a run and the sweeper announce events on their
+manager's `Events`; metrics, traces and the run history subscribe there rather
+than reaching into the engine. A subscriber is called on the thread where the
+event happened, right after it happened (so an attempt's `AttemptBegan` and
+`AttemptEnded` arrive on the handler's own thread, around its call); it must be
+quick and must not block. An exception it raises is logged and dropped: it
+never changes what the engine does. With no subscriber nothing is built:
+announcing costs one attribute check.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import uuid
+from collections.abc import Callable
+
+import attrs
+
+from workflow.logs import EngineLog
+from workflow.run import Status
+
+
+class Outcome(str, enum.Enum):
+    """How an attempt ended."""
+
+    SUCCEEDED = "succeeded"
+    """The handler returned; its output is recorded."""
+    FAILED = "failed"
+    """The handler raised (or its output could not be encoded or recorded); counted."""
+    TIMED_OUT = "timed_out"
+    """The handler raised after its deadline; counted."""
+    ABANDONED = "abandoned"
+    """It ended without counting: shutdown, or its claim was lost (a sweeper counts that)."""
+    CANCELLED = "cancelled"
+    """The run was cancelled while it ran; not counted."""
+
+
+@attrs.frozen
+class RunStarted:
+    """A run was inserted (by `start`, or by `start_tx` in a transaction not committed yet)."""
+
+    run_id: uuid.UUID
+    workflow: str
+
+
+@attrs.frozen
+class RunClaimed:
+    """An execution began on a run this process claimed (on the fast path or by a poller)."""
+
+    run_id: uuid.UUID
+    workflow: str
+
+
+@attrs.frozen
+class AttemptBegan:
+    """A handler is about to be called."""
+
+    run_id: uuid.UUID
+    workflow: str
+    task: str
+    seq: int
+    attempt: int
+
+
+@attrs.frozen
+class AttemptEnded:
+    """A handler's attempt ended, and how; `error` is what it raised (None on success)."""
+
+    run_id: uuid.UUID
+    workflow: str
+    task: str
+    seq: int
+    attempt: int
+    outcome: Outcome
+    seconds: float
+    error: BaseException | None = None
+
+
+@attrs.frozen
+class RunFinished:
+    """This process wrote a run's terminal status."""
+
+    run_id: uuid.UUID
+    workflow: str
+    status: Status
+
+
+@attrs.frozen
+class ClaimLost:
+    """A fenced write matched nothing: another executor owns the run; this one stopped."""
+
+    run_id: uuid.UUID
+    workflow: str
+
+
+@attrs.frozen
+class ClaimsSwept:
+    """A sweeper released these runs' stale claims, counting an abandoned attempt each."""
+
+    run_ids: tuple[uuid.UUID, ...]
+
+
+Event = (
+    RunStarted
+    | RunClaimed
+    | AttemptBegan
+    | AttemptEnded
+    | RunFinished
+    | ClaimLost
+    | ClaimsSwept
+)
+
+Subscriber = Callable[[Event], None]
+
+
+class Events:
+    """A manager's announcements: `subscribe(fn)`, then `fn(event)` for each event."""
+
+    def __init__(self, log: EngineLog) -> None:
+        self._log = log
+        self._subscribers: tuple[Subscriber, ...] = ()
+        self._lock = threading.Lock()
+        self.active = False
+        """True while anyone listens: check it before building an event."""
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Call `subscriber(event)` for every event from now on; returns the unsubscribe."""
+
+        def unsubscribe() -> None:
+            with self._lock:
+                self._subscribers = tuple(s for s in self._subscribers if s is not subscriber)
+                self.active = bool(self._subscribers)
+
+        with self._lock:
+            self._subscribers = (*self._subscribers, subscriber)
+            self.active = True
+        return unsubscribe
+
+    def emit(self, event: Event) -> None:
+        """Hand `event` to every subscriber; an exception of one is logged, never raised."""
+        for subscriber in self._subscribers:
+            try:
+                subscriber(event)
+            except Exception:
+                self._log.exception("an event subscriber raised on %s", type(event).__name__)

@@ -1,0 +1,228 @@
+"""Starting runs: input to row, then the fast path.
+
+`Starter.start` refuses what cannot be stored before any SQL is sent (a key the
+index cannot carry, an input that does not encode, a connection that cannot
+carry the caller's transaction or is on another database), encodes and seals
+the input and the calling context, evaluates `skip_if`, honours the
+idempotency key, inserts the run with its task snapshot, and hands it to the
+fast path when there is room (inserted already claimed: no claim of its own).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+
+from workflow import codec
+from workflow.config import Config
+from workflow.definition import Definition, Registry, Workflow
+from workflow.errors import EncodeError, WorkflowError
+from workflow.events import Events, RunStarted
+from workflow.fastpath import FastPath
+from workflow.limits import MAX_KEY_BYTES, text_problem
+from workflow.sealing import seal_document
+from workflow.store import (
+    ClaimedRun,
+    Store,
+    TaskRow,
+    bool_array,
+    current_database,
+    in_transaction,
+    text_array,
+)
+
+
+class _Shape:
+    """What every start of one workflow shares, computed once per manager."""
+
+    __slots__ = ("definition", "names", "no_skips", "skips", "tasks")
+
+    def __init__(self, definition: Definition[Any]) -> None:
+        steps = definition.steps
+        self.definition = definition
+        self.skips = any(step.skip is not None for step in steps)
+        self.names = text_array([step.task.name for step in steps])
+        self.no_skips = bool_array([False] * len(steps))
+        self.tasks = self.snapshot([False] * len(steps))
+
+    def snapshot(self, skipped: list[bool]) -> tuple[TaskRow, ...]:
+        """The task rows of a run just inserted with these skips."""
+        return tuple(
+            TaskRow(
+                seq=i + 1,
+                name=step.task.name,
+                skipped=skipped[i],
+                attempts=0,
+                has_output=False,
+                output=None,
+                failed_at=None,
+            )
+            for i, step in enumerate(self.definition.steps)
+        )
+
+
+def check_key(key: object) -> None:
+    """Refuse an idempotency key before any SQL is sent (EncodeError, TypeError)."""
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"idempotency_key must be a non-empty str, got {key!r}")
+    problem = text_problem(key, MAX_KEY_BYTES)
+    if problem is not None:
+        raise EncodeError(f"idempotency_key {key[:60]!r} {problem}")
+
+
+class Starter:
+    """Inserts runs for one manager, and launches them on its fast path."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        config: Config,
+        store: Store,
+        fastpath: FastPath,
+        events: Events,
+        database: tuple[str, str],
+    ) -> None:
+        self._config = config
+        self._store = store
+        self._fastpath = fastpath
+        self._events = events
+        self._dbname, self._database = database
+        self._shapes: dict[str, _Shape] = {}
+        for name in registry.names():
+            definition = registry.definition(name)
+            assert definition is not None
+            self._shapes[name] = _Shape(definition)
+
+    def start(
+        self,
+        wf: Workflow[Any],
+        input: Any,
+        *,
+        idempotency_key: str | None,
+        conn: psycopg.Connection[Any] | None = None,
+    ) -> tuple[uuid.UUID, bool]:
+        """Insert a run (in `conn`'s transaction when given) and launch it when there is room.
+
+        Returns its id, and whether it is a new run (False: an earlier start's,
+        found by the idempotency key). Raises what `Manager.start` and
+        `Manager.start_tx` document.
+        """
+        shape = self._shapes.get(wf.name)
+        if shape is None:
+            raise WorkflowError(
+                f"workflow {wf.name!r} is not registered with this manager; register it "
+                "before building the Manager"
+            )
+        if idempotency_key is not None:
+            check_key(idempotency_key)
+        if conn is not None:
+            if not isinstance(conn, psycopg.Connection):
+                raise TypeError(
+                    f"start_tx() needs a psycopg.Connection, not {type(conn).__name__}"
+                )
+            in_transaction(conn)
+            self._check_same_database(conn)
+        run_id = uuid.uuid4()
+        # Fast-path handlers get `stored_input`, decoded from what is stored: never
+        # the caller's object, which the caller may go on changing.
+        input_text, _, stored_input = codec.encode_document(input, wf.input_type)
+        cipher = self._config.cipher
+        input_plain, input_sealed = seal_document(input_text, run_id, cipher)
+        context_plain = context_sealed = None
+        if self._config.context is not None:
+            context_plain, context_sealed = seal_document(
+                self._config.context.capture_document(), run_id, cipher
+            )
+        store = self._store
+        if idempotency_key is not None:
+            existing = store.find_idempotent_run(conn, wf.name, idempotency_key)
+            if existing is not None:
+                return existing, False
+        steps = shape.definition.steps
+        if shape.skips:
+            skipped = [bool(step.skip(input)) if step.skip else False for step in steps]
+            current = next((i + 1 for i, s in enumerate(skipped) if not s), len(steps) + 1)
+            skipped_literal = bool_array(skipped)
+        else:
+            skipped, current, skipped_literal = None, 1, shape.no_skips
+        all_skipped = current > len(steps)
+        fastpath = self._fastpath
+        fast = conn is None and not all_skipped and fastpath.try_slot()
+        claim_id = uuid.uuid4() if fast else None
+        try:
+            inserted = store.insert_run(
+                conn,
+                run_id=run_id,
+                workflow=wf.name,
+                status="succeeded" if all_skipped else ("running" if fast else "pending"),
+                idempotency_key=idempotency_key,
+                input=input_plain,
+                input_sealed=input_sealed,
+                context=context_plain,
+                context_sealed=context_sealed,
+                task_count=len(steps),
+                current_seq=current,
+                claim_id=claim_id,
+                names=shape.names,
+                skipped=skipped_literal,
+                wake=not fast and not all_skipped,
+            )
+        except psycopg.errors.LockNotAvailable as e:
+            if fast:
+                fastpath.release_slot()
+            raise WorkflowError(
+                f"workflow {wf.name!r}: idempotency key {idempotency_key!r} is held by a "
+                "transaction still open (a start_tx() of this key not committed yet, maybe "
+                "on this very thread): commit or roll back that transaction first"
+            ) from e
+        except BaseException:
+            if fast:
+                fastpath.release_slot()
+            raise
+        if inserted is None:
+            if fast:
+                fastpath.release_slot()
+            assert idempotency_key is not None
+            existing = store.find_idempotent_run(conn, wf.name, idempotency_key)
+            if existing is None:
+                raise WorkflowError(
+                    f"workflow {wf.name!r}: idempotency key {idempotency_key!r} collided with "
+                    "a run that is not visible yet (started in a transaction still open)"
+                )
+            return existing, False
+        if self._events.active:
+            self._events.emit(RunStarted(run_id, wf.name))
+        if fast:
+            assert claim_id is not None
+            claimed = ClaimedRun(
+                id=run_id,
+                workflow=wf.name,
+                claim_id=claim_id,
+                input=None,
+                input_sealed=None,
+                context=context_plain,
+                context_sealed=context_sealed,
+                current_seq=current,
+                db_now=None,
+                tasks=shape.tasks if skipped is None else shape.snapshot(skipped),
+            )
+            fastpath.launch(claimed, stored_input)
+        return run_id, True
+
+    def _check_same_database(self, conn: psycopg.Connection[Any]) -> None:
+        """`WorkflowError` unless `conn` is on this manager's database.
+
+        The connection's own name costs nothing to read; only when it differs
+        (another alias of the same database, say) is the server asked.
+        """
+        if conn.info.dbname == self._dbname:
+            return
+        theirs = current_database(conn)
+        if theirs != self._database:
+            raise WorkflowError(
+                f"workflow: start_tx() got a connection to database {theirs!r}, but this "
+                f"manager's runs live in database {self._database!r}: start the run on a "
+                "connection to that database (or build the Manager on this one)"
+            )
