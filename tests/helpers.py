@@ -283,3 +283,20 @@ def registry(*steps: workflow.Step[Inp], name: str = "W") -> tuple[workflow.Regi
     reg = workflow.Registry()
     reg.register(workflow.define(wf, *steps))
     return reg, wf
+
+
+class FirstAttempt:
+    """A handler recording each attempt's TaskRun: attempt 1 calls `first`, later ones
+    return `Out("attempt N")`; `started` is set when attempt 1 begins."""
+
+    def __init__(self, first: Callable[[workflow.TaskRun[Inp]], Out]) -> None:
+        self.first = first
+        self.runs: list[workflow.TaskRun[Inp]] = []
+        self.started = threading.Event()
+
+    def __call__(self, run: workflow.TaskRun[Inp]) -> Out:
+        self.runs.append(run)
+        if run.attempt == 1:
+            self.started.set()
+            return self.first(run)
+        return Out(f"attempt {run.attempt}")

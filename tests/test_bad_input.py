@@ -1,4 +1,4 @@
-"""Bad input (issue 8): each refused with a clear, typed error, and nothing written.
+"""Bad input (SPEC 2, 4, 11): each refused with a clear, typed error, and nothing written.
 
 "Nothing written" is checked by counting the rows of both engine tables after the
 refusal. Then property tests (hypothesis) feed arbitrary bytes and JSON to every
@@ -822,7 +822,7 @@ def _manager(make_manager: Any, logger: logging.Logger, **config: Any) -> workfl
     return make_manager(_exec_registry(), workflow.Config(**config), logger=logger)  # type: ignore[no-any-return]
 
 
-# --- Issue 13: keys, names, shapes and databases the schema cannot carry ----------------
+# --- Keys, names, shapes and databases the schema cannot carry ------------------------
 
 DictWf = workflow.Workflow("Bad.Dict", dict)
 ListWf = workflow.Workflow("Bad.List", list)

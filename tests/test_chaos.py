@@ -1,4 +1,4 @@
-"""Chaos under load (issue 8), the short mode CI runs; and the checks' own teeth.
+"""Chaos under load (SPEC 9, invariant 8), the short mode CI runs; and the checks' own teeth.
 
 `test_chaos_short` runs `python -m tests.chaos --short` in-process: a private
 PostgreSQL, three worker subprocesses SIGKILLed one at a time every few seconds

@@ -1,4 +1,4 @@
-"""Connection faults (issue 8): killed backends and a PostgreSQL restart lose nothing.
+"""Connection faults (SPEC 9): killed backends and a PostgreSQL restart lose nothing.
 
 On a private PostgreSQL (`tests/privatepg.py`; the shared server is never
 restarted), a manager and its runnable execute a stream of 3-task runs, started

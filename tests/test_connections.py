@@ -23,11 +23,12 @@ from helpers import Records, other_backends, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
+from workflow.logs import EngineLog
 from workflow.store import Store
 from workflow.store.connections import WARM_FOR, WARM_IDLE, Connections
 
 SIZE = 4
-LOG = logging.getLogger("test.connections")
+LOG = EngineLog(logging.getLogger("test.connections"))
 
 
 @pytest.fixture

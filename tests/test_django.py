@@ -1,4 +1,4 @@
-"""Django with the psycopg 3 backend, for real: issue 9.
+"""Django with the psycopg 3 backend, for real: the `workflow.contrib.django` app.
 
 The example project (examples/django_transfer) runs as subprocesses with
 `manage.py` on a fresh database of the test's: `migrate` and `workflow_migrate`

@@ -1,4 +1,4 @@
-"""Flask under real Gunicorn (sync workers, two pre-forked processes): issue 9.
+"""Flask under real Gunicorn (sync workers, two pre-forked processes): `contrib.flask`.
 
 The example app (examples/flask_transfer) is served by `gunicorn` as a
 subprocess on a free loopback port, against the test's database, with no worker

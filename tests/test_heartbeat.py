@@ -1,4 +1,6 @@
-"""SPEC section 9, invariant 5: heartbeats, deadlines, lost claims and the sweeper.
+"""SPEC section 9, invariant 5: heartbeats, deadlines and lost claims.
+
+The sweeper that releases what stops being heartbeated is in test_sweeper.py.
 
 A small `sweep_max_age` makes the heartbeat interval (`sweep_max_age / 4`) short.
 Heartbeat movement is read from `workflow_runs.heartbeat_at` (database clock);
@@ -11,12 +13,11 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, Records, poll, registry, snapshot
+from helpers import FirstAttempt, Inp, Out, Records, poll, registry, snapshot
 from pgbouncer import runner_config
 
 import workflow
@@ -37,22 +38,6 @@ WHERE r.id = %s
 """
 
 
-class Handler:
-    """Records each attempt's TaskRun; attempt 1 calls `first`, later ones return."""
-
-    def __init__(self, first: Callable[[workflow.TaskRun[Inp]], Out]) -> None:
-        self.first = first
-        self.runs: list[workflow.TaskRun[Inp]] = []
-        self.started = threading.Event()
-
-    def __call__(self, run: workflow.TaskRun[Inp]) -> Out:
-        self.runs.append(run)
-        if run.attempt == 1:
-            self.started.set()
-            return self.first(run)
-        return Out(f"attempt {run.attempt}")
-
-
 # --- heartbeats inside the deadline --------------------------------------------------
 
 
@@ -65,7 +50,7 @@ def test_heartbeat_advances_while_a_long_handler_runs_inside_its_deadline(
         assert release.wait(20)
         return Out("done")
 
-    handler = Handler(blocking)
+    handler = FirstAttempt(blocking)
     # Heartbeat every 0.5 s; the attempt may take 1.9 s.
     config = workflow.Config(sweep_max_age=2, max_in_process_backoff=0)
     reg, wf = registry(workflow.handle(A, handler, timeout=1.9))
@@ -103,7 +88,7 @@ def test_past_its_deadline_an_attempt_is_no_longer_heartbeated_and_cancelled_is_
         assert release.wait(20)
         return Out("late success")
 
-    handler = Handler(hangs)
+    handler = FirstAttempt(hangs)
     config = workflow.Config(  # beat every 0.5 s
         sweep_max_age=2, max_in_process_backoff=0, default_task_timeout=1.5
     )
@@ -156,7 +141,7 @@ def test_lost_heartbeat_sets_cancelled_and_ends_the_execution_without_writing(
         next_task.append(run.attempt)
         return Out("b")
 
-    handler = Handler(waits_for_cancel)
+    handler = FirstAttempt(waits_for_cancel)
     config = workflow.Config(  # beat every 1 s
         sweep_max_age=4, max_in_process_backoff=0, default_task_timeout=3
     )
@@ -187,131 +172,6 @@ def test_lost_heartbeat_sets_cancelled_and_ends_the_execution_without_writing(
     assert (claim, status, attempts, output, current_seq) == (thief, "running", 0, None, 1)
     assert next_task == []
     assert len(handler.runs) == 1
-
-
-# --- the sweeper ---------------------------------------------------------------------
-
-
-def hung_run(
-    make_manager: Any, db: psycopg.Connection[Any], release: threading.Event
-) -> tuple[workflow.Manager, Handler, workflow.Registry, workflow.Run, Any]:
-    def hangs(run: workflow.TaskRun[Inp]) -> Out:
-        assert release.wait(30)  # ignores `cancelled`
-        return Out("hung attempt")
-
-    handler = Handler(hangs)
-    # Heartbeat every 0.25 s; a claim is stale after 1 s without one.
-    config = workflow.Config(sweep_max_age=1, max_in_process_backoff=0, default_task_timeout=0.5)
-    reg, wf = registry(
-        workflow.handle(A, handler, timeout=0.3, max_attempts=3, backoff_schedule=[0]),
-        workflow.handle(B, lambda run: Out("b saw " + run.output(A).value)),
-    )
-    mgr = make_manager(reg, config)
-    run = wf.start(mgr, Inp(1))
-    assert handler.started.wait(10)
-    return mgr, handler, reg, run, config
-
-
-def test_hung_handler_is_swept_after_sweep_max_age_with_its_attempt_counted(
-    make_manager: Any, db: psycopg.Connection[Any]
-) -> None:
-    release = threading.Event()
-    try:
-        mgr, handler, reg, run, config = hung_run(make_manager, db, release)
-        claim = db.execute(RUN_SQL, (run.id,)).fetchone()[0]
-        sweeper = mgr.new_runnable(runner_config(listen=False)).sweeper
-        assert sweeper is not None
-        deadline = time.monotonic() + 20
-        swept = 0
-        while swept == 0:
-            stale = db.execute(
-                "SELECT now() - heartbeat_at > interval '1 second' FROM workflow_runs "
-                "WHERE id = %s",
-                (run.id,),
-            ).fetchone()[0]
-            swept = sweeper.sweep()
-            assert swept == 0 or stale, "only a claim older than sweep_max_age is swept"
-            assert time.monotonic() < deadline, "the hung claim was never swept"
-            time.sleep(0.05)
-        assert swept == 1
-        row = db.execute(
-            "SELECT r.claim_id, r.heartbeat_at, r.status, r.next_retry_at <= now(), "
-            "t.attempts, t.error, t.failed_at IS NOT NULL, t.output "
-            "FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = 1 "
-            "WHERE r.id = %s",
-            (run.id,),
-        ).fetchone()
-        claim_after, beat, status, due, attempts, error, failed, output = row
-        assert (claim_after, beat, status, due) == (None, None, "running", True)
-        assert attempts == 1, "the abandoned attempt counts"
-        assert failed and "abandoned" in error
-        assert output is None
-        assert sweeper.sweep() == 0, "sweeping again changes nothing"
-        assert claim is not None
-
-        other = make_manager(reg, config)
-        assert other.run(run.id).wait(timeout=30) is Status.SUCCEEDED
-        assert [r.attempt for r in handler.runs] == [1, 2]
-        before = snapshot(db, run.id)
-    finally:
-        release.set()
-    mgr.close(timeout=10)  # the hung execution ends; its late write is fenced out
-    assert snapshot(db, run.id) == before
-    assert db.execute(
-        "SELECT seq, attempts, output FROM workflow_tasks WHERE run_id = %s ORDER BY seq",
-        (run.id,),
-    ).fetchall() == [(1, 1, {"value": "attempt 2"}), (2, 0, {"value": "b saw attempt 2"})]
-
-
-def test_runnable_sweeps_a_hung_handler_and_its_poller_finishes_the_run(
-    make_manager: Any, db: psycopg.Connection[Any]
-) -> None:
-    release = threading.Event()
-    try:
-        mgr, handler, _, run, _ = hung_run(make_manager, db, release)
-        runnable = mgr.new_runnable(runner_config(sweep_interval=0.1, poll_interval=0.1))
-        runnable.start()
-        try:
-            poll(
-                db,
-                "SELECT status FROM workflow_runs WHERE id = %s",
-                (run.id,),
-                until=lambda r: r[0] == "succeeded",
-                timeout=30,
-            )
-        finally:
-            release.set()
-            runnable.stop(timeout=10)
-    finally:
-        release.set()
-    assert [r.attempt for r in handler.runs] == [1, 2]
-    assert db.execute(
-        "SELECT attempts, output FROM workflow_tasks WHERE run_id = %s AND seq = 1", (run.id,)
-    ).fetchone() == (1, {"value": "attempt 2"})
-
-
-def test_wait_on_the_hung_runs_manager_sees_it_finished_elsewhere(
-    make_manager: Any, db: psycopg.Connection[Any]
-) -> None:
-    """SPEC 4: a run finished elsewhere is seen by wait() within about a second.
-
-    The run's first execution is still hung in this manager (its handler ignores
-    `cancelled`); it was swept and another manager finished the run.
-    """
-    release = threading.Event()
-    try:
-        mgr, _, reg, run, config = hung_run(make_manager, db, release)
-        sweeper = mgr.new_runnable(runner_config(listen=False)).sweeper
-        assert sweeper is not None
-        deadline = time.monotonic() + 20
-        while sweeper.sweep() == 0:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        other = make_manager(reg, config)
-        assert other.run(run.id).wait(timeout=30) is Status.SUCCEEDED
-        assert mgr.run(run.id).wait(timeout=5) is Status.SUCCEEDED
-    finally:
-        release.set()
 
 
 # --- the heartbeat thread's deadline wake-up -----------------------------------------

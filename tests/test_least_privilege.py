@@ -1,4 +1,4 @@
-"""Least privilege (issue 8): the engine runs as a role that can only read and write rows.
+"""Least privilege: the engine runs as a role that can only read and write rows.
 
 The migrations run as the owner (the fixtures' migrated template). The test then
 creates a role of its own (a unique name, dropped afterwards) with exactly these

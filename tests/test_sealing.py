@@ -546,7 +546,7 @@ def test_a_sealed_run_resumes_in_a_worker_process_with_the_key(
     ] * 2
 
 
-# --- Sealed means sealed, in error texts too (issue 13) ------------------------------
+# --- Sealed means sealed, in error texts too ----------------------------------------
 
 import datetime  # noqa: E402
 import enum  # noqa: E402

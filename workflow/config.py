@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import attrs
+from attrs import AttrsInstance
 
 from workflow.durations import Duration, seconds
 from workflow.errors import ConfigError
@@ -17,22 +18,52 @@ if TYPE_CHECKING:
     from workflow.sealing import Cipher, Propagation
 
 
-def _duration(name: str, value: Any, *, allow_zero: bool = False) -> None:
-    if value is None:
-        return
-    try:
-        result = seconds(value, name)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(str(e)) from None
-    if result < 0 or (result == 0 and not allow_zero):
-        raise ConfigError(f"{name} must be positive, got {value!r}")
+_DEFAULT = "workflow.default"
+_KIND = "workflow.kind"
 
 
-def _count(name: str, value: Any) -> None:
-    if value is None:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+def _option(default: object, kind: str) -> dict[str, object]:
+    """The metadata of a field that may be left at None, taking `default`; `kind` says
+    how it is checked: "duration" (positive), "delay" (zero or more), "count" (a
+    positive int), "flag" (a bool)."""
+    return {_DEFAULT: default, _KIND: kind}
+
+
+def _check(options: AttrsInstance) -> None:
+    """`ConfigError` for the first option of `options` that is set but unusable."""
+    for field in attrs.fields(type(options)):
+        kind = field.metadata.get(_KIND)
+        value = getattr(options, field.name)
+        if kind is None or value is None:
+            continue
+        name = field.name
+        if kind in ("duration", "delay"):
+            try:
+                result = seconds(value, name)
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+            if result < 0 or (result == 0 and kind == "duration"):
+                raise ConfigError(f"{name} must be positive, got {value!r}")
+        elif kind == "count":
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        elif not isinstance(value, bool):
+            raise ConfigError(f"{name} must be a bool, got {value!r}")
+
+
+def _resolved(options: AttrsInstance) -> dict[str, Any]:
+    """Every option of `options` with its default filled in, durations in seconds."""
+    values: dict[str, Any] = {}
+    for field in attrs.fields(type(options)):
+        if _KIND not in field.metadata:
+            continue
+        value = getattr(options, field.name)
+        if value is None:
+            value = field.metadata[_DEFAULT]
+        elif field.metadata[_KIND] in ("duration", "delay"):
+            value = seconds(value, field.name)
+        values[field.name] = value
+    return values
 
 
 @attrs.frozen(kw_only=True)
@@ -45,24 +76,22 @@ class Config:
     Raises `ConfigError` for a value that is not a positive duration or count.
     """
 
-    default_task_timeout: Duration | None = None
-    default_max_attempts: int | None = None
-    backoff_base: Duration | None = None
-    backoff_max: Duration | None = None
-    max_in_process_backoff: Duration | None = None
-    sweep_max_age: Duration | None = None
-    max_local_runs: int | None = None
+    default_task_timeout: Duration | None = attrs.field(
+        default=None, metadata=_option(60.0, "duration")
+    )
+    default_max_attempts: int | None = attrs.field(default=None, metadata=_option(8, "count"))
+    backoff_base: Duration | None = attrs.field(default=None, metadata=_option(1.0, "duration"))
+    backoff_max: Duration | None = attrs.field(default=None, metadata=_option(300.0, "duration"))
+    max_in_process_backoff: Duration | None = attrs.field(
+        default=None, metadata=_option(5.0, "delay")
+    )
+    sweep_max_age: Duration | None = attrs.field(default=None, metadata=_option(600.0, "duration"))
+    max_local_runs: int | None = attrs.field(default=None, metadata=_option(64, "count"))
     context: Propagation[Any] | None = None
     cipher: Cipher | None = None
 
     def __attrs_post_init__(self) -> None:
-        _duration("default_task_timeout", self.default_task_timeout)
-        _count("default_max_attempts", self.default_max_attempts)
-        _duration("backoff_base", self.backoff_base)
-        _duration("backoff_max", self.backoff_max)
-        _duration("max_in_process_backoff", self.max_in_process_backoff, allow_zero=True)
-        _duration("sweep_max_age", self.sweep_max_age)
-        _count("max_local_runs", self.max_local_runs)
+        _check(self)
         if self.context is not None and not hasattr(self.context, "capture_document"):
             raise ConfigError(
                 "Config.context takes workflow.propagate(your_propagator), "
@@ -73,22 +102,20 @@ class Config:
             and callable(getattr(self.cipher, "open", None))
         ):
             raise ConfigError("Config.cipher needs seal(bytes) -> bytes and open(bytes) -> bytes")
-        base = _or(self.backoff_base, 1.0)
-        cap = _or(self.backoff_max, 300.0)
-        if cap < base:
-            raise ConfigError(f"backoff_max ({cap:g}s) is below backoff_base ({base:g}s)")
-
-
-def _or(value: Duration | None, default: float) -> float:
-    return default if value is None else seconds(value, "duration")
+        settings = Settings.of(self)
+        if settings.backoff_max < settings.backoff_base:
+            raise ConfigError(
+                f"backoff_max ({settings.backoff_max:g}s) is below backoff_base "
+                f"({settings.backoff_base:g}s)"
+            )
 
 
 @attrs.frozen
 class Settings:
     """`Config` with every default filled in and durations in seconds (internal)."""
 
-    task_timeout: float
-    max_attempts: int
+    default_task_timeout: float
+    default_max_attempts: int
     backoff_base: float
     backoff_max: float
     max_in_process_backoff: float
@@ -97,15 +124,7 @@ class Settings:
 
     @classmethod
     def of(cls, config: Config) -> Settings:
-        return cls(
-            task_timeout=_or(config.default_task_timeout, 60.0),
-            max_attempts=config.default_max_attempts or 8,
-            backoff_base=_or(config.backoff_base, 1.0),
-            backoff_max=_or(config.backoff_max, 300.0),
-            max_in_process_backoff=_or(config.max_in_process_backoff, 5.0),
-            sweep_max_age=_or(config.sweep_max_age, 600.0),
-            max_local_runs=config.max_local_runs or 64,
-        )
+        return cls(**_resolved(config))
 
     @property
     def pool_size(self) -> int:
@@ -120,29 +139,22 @@ class Settings:
 
 @attrs.frozen(kw_only=True)
 class RunnerConfig:
-    """A worker's settings; a field left at None takes its default.
+    """A runnable's settings; a field left at None takes its default.
 
     `poll_interval` 30 s, `batch_size` 10, `concurrency` 4, `sweep_enabled` True,
     `sweep_interval` 60 s, `listen` True (LISTEN for wake-ups; False behind a
     transaction-mode pooler such as PgBouncer).
     """
 
-    poll_interval: Duration | None = None
-    batch_size: int | None = None
-    concurrency: int | None = None
-    sweep_enabled: bool | None = None
-    sweep_interval: Duration | None = None
-    listen: bool | None = None
+    poll_interval: Duration | None = attrs.field(default=None, metadata=_option(30.0, "duration"))
+    batch_size: int | None = attrs.field(default=None, metadata=_option(10, "count"))
+    concurrency: int | None = attrs.field(default=None, metadata=_option(4, "count"))
+    sweep_enabled: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
+    sweep_interval: Duration | None = attrs.field(default=None, metadata=_option(60.0, "duration"))
+    listen: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
 
     def __attrs_post_init__(self) -> None:
-        _duration("poll_interval", self.poll_interval)
-        _count("batch_size", self.batch_size)
-        _count("concurrency", self.concurrency)
-        _duration("sweep_interval", self.sweep_interval)
-        for name in ("sweep_enabled", "listen"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, bool):
-                raise ConfigError(f"{name} must be a bool, got {value!r}")
+        _check(self)
 
 
 @attrs.frozen
@@ -158,11 +170,4 @@ class RunnerSettings:
 
     @classmethod
     def of(cls, config: RunnerConfig) -> RunnerSettings:
-        return cls(
-            poll_interval=_or(config.poll_interval, 30.0),
-            batch_size=config.batch_size or 10,
-            concurrency=config.concurrency or 4,
-            sweep_enabled=True if config.sweep_enabled is None else config.sweep_enabled,
-            sweep_interval=_or(config.sweep_interval, 60.0),
-            listen=True if config.listen is None else config.listen,
-        )
+        return cls(**_resolved(config))

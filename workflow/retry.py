@@ -45,8 +45,8 @@ class RetryPolicy:
     def resolve(self, settings: Settings) -> Retry:
         """This policy with the Config's values filled in."""
         return Retry(
-            timeout=self.timeout if self.timeout is not None else settings.task_timeout,
-            max_attempts=self.max_attempts or settings.max_attempts,
+            timeout=self.timeout if self.timeout is not None else settings.default_task_timeout,
+            max_attempts=self.max_attempts or settings.default_max_attempts,
             backoff_base=(
                 self.backoff_base if self.backoff_base is not None else settings.backoff_base
             ),

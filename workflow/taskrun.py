@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, TypeVar
 
-from workflow import codec
 from workflow.definition import Task
 from workflow.durations import Duration, seconds
 from workflow.errors import Cancelled, OutputMissing
@@ -128,8 +127,3 @@ def new_task_run(
         deadline=time.monotonic() + seconds(timeout, "timeout"),
         cancelled=threading.Event(),
     )
-
-
-def decode_output(task: Task[Out], document: Any) -> Out:
-    """Decode a stored output document for `task` (`DecodeError` on mismatch)."""
-    return codec.decode(document, task.output_type)  # type: ignore[no-any-return]

@@ -53,7 +53,7 @@ from workflow._cli import (
 from workflow.app import App, AppFailed, AppNotFound, load_app, parse_spec
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.errors import WorkflowError
-from workflow.logs import ALERT
+from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
 from workflow.store.connections import connect_explained, make_pool, one_line
@@ -358,23 +358,23 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
         if not text.startswith("workflow: "):
             text = f"workflow: cannot start the worker: {text}"
         raise CommandFailed(text) from None
-    logger = manager.logger
+    log = EngineLog(manager.logger)
     try:
         runnable = manager.new_runnable(runner_config)
         if signals.received is None:
             runnable.start()
-            logger.info("workflow: worker started: %s", _describe(runner_config, app))
+            log.info("worker started: %s", _describe(runner_config, app))
         name = signals.wait()
-        logger.info(
-            "workflow: worker draining on %s: no new claims; in-flight attempts finish and "
-            "are recorded, claims are released (send another signal to exit at once)",
+        log.info(
+            "worker draining on %s: no new claims; in-flight attempts finish and are "
+            "recorded, claims are released (send another signal to exit at once)",
             name,
         )
         runnable.stop()
     finally:
         manager.close()
         pool.close()
-    logger.info("workflow: worker stopped")
+    log.info("worker stopped")
     return 0
 
 

@@ -24,6 +24,7 @@ from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool
 
 from workflow.errors import WorkflowError
+from workflow.logs import EngineLog
 from workflow.store.connections import Connections, Rows
 from workflow.store.migrate import (
     SCHEMA_VERSION,
@@ -79,6 +80,14 @@ def storable(text: str, limit: int) -> str:
     return text
 
 
+def _failure(error: str, code: str | None) -> dict[str, str | None]:
+    """A failure's error text and code as they are stored (see `storable`)."""
+    return {
+        "error": storable(error, ERROR_CHARS),
+        "code": None if code is None else storable(code, CODE_CHARS),
+    }
+
+
 def text_array(values: Sequence[str]) -> str:
     """A PostgreSQL text array literal of `values`, sent as one text parameter.
 
@@ -129,7 +138,8 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.connections = Connections(
-            pool, logger or logging.getLogger("workflow"), keep_warm=keep_warm, clock=clock
+            pool, EngineLog(logger or logging.getLogger("workflow")), keep_warm=keep_warm,
+            clock=clock,
         )
 
     def close(self, *, forked: bool = False) -> None:
@@ -322,8 +332,7 @@ class Store:
                 "id": run_id,
                 "claim_id": claim_id,
                 "seq": seq,
-                "error": storable(error, ERROR_CHARS),
-                "code": None if code is None else storable(code, CODE_CHARS),
+                **_failure(error, code),
                 "attempts": attempts,
                 "keep_claim": keep_claim,
                 "delay": delay,
@@ -350,8 +359,7 @@ class Store:
                 "id": run_id,
                 "claim_id": claim_id,
                 "seq": seq,
-                "error": storable(error, ERROR_CHARS),
-                "code": None if code is None else storable(code, CODE_CHARS),
+                **_failure(error, code),
                 "attempts": attempts,
                 "spent": spent,
             },

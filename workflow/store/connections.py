@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import random
@@ -31,6 +30,7 @@ from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from workflow.errors import WorkflowError
+from workflow.logs import EngineLog
 
 CONNECT_TIMEOUT = 10
 """Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
@@ -164,13 +164,13 @@ class Connections:
     def __init__(
         self,
         pool: ConnectionPool[Any],
-        logger: logging.Logger,
+        log: EngineLog,
         *,
         keep_warm: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
-        self._logger = logger
+        self._log = log
         self._keep_warm = keep_warm
         self._clock = clock
         # Most recently used last: a connection, a cursor on it to reuse, when it
@@ -272,9 +272,7 @@ class Connections:
                     raise
                 failures += 1
                 delay = random.uniform(0.0, min(2.0, 0.05 * 2**failures))
-                self._logger.warning(
-                    "workflow: %s: connection lost (%s); retrying in %.2fs", name, e, delay
-                )
+                self._log.warning("%s: connection lost (%s); retrying in %.2fs", name, e, delay)
                 time.sleep(delay)
 
     @staticmethod

@@ -30,6 +30,7 @@ from workflow.contrib.django import conf
 from workflow.contrib.django.apps import WorkflowConfig
 from workflow.definition import Workflow
 from workflow.durations import Duration
+from workflow.logs import EngineLog
 from workflow.manager import Manager
 from workflow.run import Run
 
@@ -127,9 +128,6 @@ def _kick(manager: Manager, run: Run) -> None:
     except Exception:
         # The transaction has committed: the run is safe in the table, and failing
         # the request now would tell the caller otherwise.
-        manager.logger.warning(
-            "workflow: run %s: executing it after commit failed; a worker will pick it up",
-            run.id,
-            exc_info=True,
-            extra={"run_id": run.id},
+        EngineLog(manager.logger).for_run(run.id).warning(
+            "executing it after commit failed; a worker will pick it up", exc_info=True
         )

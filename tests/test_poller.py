@@ -1,0 +1,136 @@
+"""SPEC 6: the poller claims runs left for any process, oldest first, within its limits.
+
+It claims only runs of workflows its manager registered (several services may
+share the tables), in order of creation, at most `concurrency` in flight, and a
+`wake()` (what the listener and the sweeper call) polls at once, whatever the
+poll interval.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import psycopg
+from helpers import Inp, Out, poll, registry
+
+import workflow
+from workflow import Status
+
+A = workflow.Task("a", Out)
+
+
+def start_each_in_its_own_transaction(
+    db: psycopg.Connection[Any], wf: Any, mgr: workflow.Manager, count: int
+) -> list[workflow.Run]:
+    runs = []
+    for n in range(count):
+        with db.transaction():  # one transaction each: distinct created_at
+            runs.append(wf.start_tx(db, mgr, Inp(n)))
+    return runs
+
+
+def all_succeed(db: psycopg.Connection[Any], runs: list[workflow.Run]) -> None:
+    """Poll the database until every run succeeded (`run.wait()` would claim runs itself)."""
+    poll(
+        db,
+        "SELECT count(*) = %s FROM workflow_runs WHERE id = ANY(%s) AND status = 'succeeded'",
+        (len(runs), [run.id for run in runs]),
+        timeout=30,
+        what="every run to succeed",
+    )
+
+
+def test_the_poller_claims_oldest_first(make_manager: Any, db: psycopg.Connection[Any]) -> None:
+    order: list[int] = []
+    reg, wf = registry(workflow.handle(A, lambda run: order.append(run.input.n) or Out("x")))
+    mgr = make_manager(reg)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 8)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.2, batch_size=1, concurrency=1, listen=False)
+    )
+    runnable.start()
+    try:
+        all_succeed(db, runs)
+    finally:
+        runnable.stop(timeout=10)
+    assert order == list(range(8))
+
+
+def test_the_poller_never_runs_more_than_its_concurrency(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    lock = threading.Lock()
+    now = [0]
+    most = [0]
+
+    def counts(run: workflow.TaskRun[Inp]) -> Out:
+        with lock:
+            now[0] += 1
+            most[0] = max(most[0], now[0])
+        time.sleep(0.05)
+        with lock:
+            now[0] -= 1
+        return Out("x")
+
+    reg, wf = registry(workflow.handle(A, counts))
+    mgr = make_manager(reg, workflow.Config(max_local_runs=1))
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 12)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.1, batch_size=10, concurrency=3, listen=False)
+    )
+    runnable.start()
+    try:
+        all_succeed(db, runs)
+    finally:
+        runnable.stop(timeout=10)
+    assert most[0] == 3
+
+
+def test_the_poller_leaves_other_services_runs_alone(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    ours_reg, ours = registry(workflow.handle(A, lambda run: Out("ours")), name="Ours")
+    theirs_reg, theirs = registry(workflow.handle(A, lambda run: Out("theirs")), name="Theirs")
+    ours_mgr, theirs_mgr = make_manager(ours_reg), make_manager(theirs_reg)
+    with db.transaction():
+        mine = ours.start_tx(db, ours_mgr, Inp(1))
+        other = theirs.start_tx(db, theirs_mgr, Inp(2))
+    runnable = ours_mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1, listen=False))
+    runnable.start()
+    try:
+        assert mine.wait(timeout=20) is Status.SUCCEEDED
+        time.sleep(0.3)  # several polls
+    finally:
+        runnable.stop(timeout=10)
+    row = db.execute(
+        "SELECT status, claim_id FROM workflow_runs WHERE id = %s", (other.id,)
+    ).fetchone()
+    assert row == ("pending", None)
+
+
+def test_a_wake_polls_at_once_whatever_the_poll_interval(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=60, listen=False))
+    runnable.start()
+    try:
+        # The first poll happens as the thread starts and finds nothing; the next
+        # would be a minute away. (No wait(): it would claim the run itself.)
+        time.sleep(0.5)
+        with db.transaction():
+            run = wf.start_tx(db, mgr, Inp(1))
+        runnable._poller.wake()
+        poll(
+            db,
+            "SELECT status FROM workflow_runs WHERE id = %s",
+            (run.id,),
+            until=lambda row: row[0] == "succeeded",
+            timeout=10,
+            what="the run, claimed by the woken poller",
+        )
+    finally:
+        runnable.stop(timeout=10)
