@@ -23,9 +23,9 @@ import psycopg
 import psycopg_pool
 
 import workflow
-import workflow.manager as manager_mod
 from bench import apps, null_engine
 from bench.engine import prepare
+from workflow.executor import Executor
 from workflow.store import Store
 
 _stamps = threading.local()
@@ -39,12 +39,12 @@ def _mark(key: str, what: str) -> None:
 def instrument() -> None:
     orig_insert = Store.insert_run
     orig_complete = Store.complete_task
-    orig_execute = manager_mod.execute
+    orig_execute = Executor.execute
 
-    def insert_run(self: Store, conn: Any, params: dict[str, Any]) -> Any:
-        key = str(params["id"])
+    def insert_run(self: Store, conn: Any, **params: Any) -> Any:
+        key = str(params["run_id"])
         _mark(key, "insert sent")
-        r = orig_insert(self, conn, params)
+        r = orig_insert(self, conn, **params)
         _mark(key, "insert done")
         return r
 
@@ -57,14 +57,14 @@ def instrument() -> None:
         _mark(key, f"task {seq} done")
         return r
 
-    def execute(engine: Any, job: Any) -> None:
-        _mark(str(job.run.id), "executor begins")
-        orig_execute(engine, job)
-        _mark(str(job.run.id), "executor ends")
+    def execute(self: Executor, run: Any, **kwargs: Any) -> None:
+        _mark(str(run.id), "executor begins")
+        orig_execute(self, run, **kwargs)
+        _mark(str(run.id), "executor ends")
 
     Store.insert_run = insert_run  # type: ignore[method-assign]
     Store.complete_task = complete_task  # type: ignore[method-assign]
-    manager_mod.execute = execute  # type: ignore[assignment]
+    Executor.execute = execute  # type: ignore[method-assign]
 
 
 def main() -> None:

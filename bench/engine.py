@@ -479,22 +479,26 @@ def _populate(url: str, size: int) -> None:
 
 
 def _statements(conn: Any) -> dict[str, tuple[str, dict[str, Any]]]:
-    from workflow.store import _Q
+    from workflow.store import _Q, CHANNEL
 
+    claims = [uuid.uuid4() for _ in range(10)]
     pending_id = conn.execute(
         "SELECT id FROM workflow_runs WHERE status = 'pending' ORDER BY created_at LIMIT 1"
     ).fetchone()[0]
     return {
         "claim_runs (10 of 100 pending)": (
             _Q["claim_runs"],
-            {"workflows": ["Bench.Three", "Bench.One"], "limit": 10},
+            {"workflows": ["Bench.Three", "Bench.One"], "limit": 10, "claims": claims},
         ),
         "claim_runs (idle: none claimable)": (
             _Q["claim_runs"],
-            {"workflows": ["Bench.Other"], "limit": 10},
+            {"workflows": ["Bench.Other"], "limit": 10, "claims": claims},
         ),
         "claim_run (by id)": (_Q["claim_run"], {"id": pending_id, "claim_id": uuid.uuid4()}),
-        "sweep (10 stale of 50 claimed)": (_Q["sweep"], {"max_age": 600, "limit": 100}),
+        "sweep (10 stale of 50 claimed)": (
+            _Q["sweep"],
+            {"max_age": 600, "limit": 100, "channel": CHANNEL},
+        ),
     }
 
 

@@ -81,22 +81,20 @@ def main() -> None:
         run_id, claim_id = uuid.uuid4(), uuid.uuid4()
         store.insert_run(
             None,
-            {
-                "id": run_id,
-                "workflow": "Bench.Three",
-                "status": "running",
-                "idempotency_key": None,
-                "input": '{"n":1}',
-                "input_sealed": None,
-                "context": None,
-                "context_sealed": None,
-                "task_count": 3,
-                "current_seq": 1,
-                "claim_id": claim_id,
-                "names": '{"bench.a","bench.b","bench.c"}',
-                "skipped": "{f,f,f}",
-                "wake": False,
-            },
+            run_id=run_id,
+            workflow="Bench.Three",
+            status="running",
+            idempotency_key=None,
+            input='{"n":1}',
+            input_sealed=None,
+            context=None,
+            context_sealed=None,
+            task_count=3,
+            current_seq=1,
+            claim_id=claim_id,
+            names='{"bench.a","bench.b","bench.c"}',
+            skipped="{f,f,f}",
+            wake=False,
         )
         for seq in (1, 2, 3):
             if not store.complete_task(run_id, claim_id, seq, None, seq + 1, seq == 3):
@@ -117,12 +115,14 @@ def main() -> None:
 
     real_run = store_mod.Store._run
 
-    def no_io(self: Any, name: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    def no_io(
+        self: Any, name: str, params: dict[str, Any], recover: str | None = None
+    ) -> list[tuple[Any, ...]]:
         if name == "insert_run":
             return [(params["id"], None)]
         if name == "complete_task":
             return [(params["seq"],)]
-        return real_run(self, name, params)
+        return real_run(self, name, params, recover)
 
     store_mod.Store._run = no_io  # type: ignore[method-assign]
     try:
