@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import attrs
 
@@ -81,7 +81,7 @@ class Plan:
 
 
 _executing = threading.local()
-"""Per thread: the executor whose execution this thread is inside, and its run id."""
+"""Per thread, as `current`: (the executor whose execution this thread is inside, its run id)."""
 
 
 class Executor:
@@ -126,7 +126,8 @@ class Executor:
                 retry = registry.policy(name, step.task.name).resolve(settings)
                 plans[step.task.name] = Plan(step, retry)
         self._in_flight = 0
-        self._idle = threading.Condition()
+        self._idle = threading.Condition(threading.Lock())
+        self._draining_waiters = 0  # drain() calls waiting for idle: only they are notified
 
     def plan(self, workflow: str, task: str) -> Plan | None:
         """How `task` of `workflow` is executed here; None when no handler is registered."""
@@ -142,7 +143,7 @@ class Executor:
         """Uncount an admitted execution that will not run (its thread refused it)."""
         with self._idle:
             self._in_flight -= 1
-            if self._in_flight == 0:
+            if self._in_flight == 0 and self._draining_waiters:
                 self._idle.notify_all()
 
     def execute(
@@ -162,8 +163,8 @@ class Executor:
         execution = _Execution(
             self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
         )
-        outer = getattr(_executing, "executor", None), getattr(_executing, "run_id", None)
-        _executing.executor, _executing.run_id = self, run.id
+        outer = getattr(_executing, "current", None)
+        _executing.current = (self, run.id)
         try:
             if self.events.active:
                 self.events.emit(RunClaimed(run.id, run.workflow))
@@ -173,7 +174,7 @@ class Executor:
         except Exception as e:
             execution.engine_failed(e)
         finally:
-            _executing.executor, _executing.run_id = outer
+            _executing.current = outer
             self.heartbeat.remove(claim)
             try:
                 self.on_end(run.id, execution.outcome)
@@ -182,9 +183,9 @@ class Executor:
 
     def executing_here(self) -> uuid.UUID | None:
         """The run the calling thread executes for this executor (inside a handler), else None."""
-        if getattr(_executing, "executor", None) is self:
-            run_id: uuid.UUID = _executing.run_id
-            return run_id
+        current: tuple[Executor, uuid.UUID] | None = getattr(_executing, "current", None)
+        if current is not None and current[0] is self:
+            return current[1]
         return None
 
     def drain(self, timeout: float | None) -> bool:
@@ -195,7 +196,11 @@ class Executor:
         for claim in self.heartbeat.claims():
             claim.cancel(SHUTDOWN)
         with self._idle:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            self._draining_waiters += 1
+            try:
+                return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+            finally:
+                self._draining_waiters -= 1
 
 
 def refuse_inside_handler(executor: Executor, what: str) -> None:
@@ -216,8 +221,7 @@ class _Stop(Exception):
     """Ends an execution early; the claim has been dealt with."""
 
 
-@attrs.frozen
-class _Ran:
+class _Ran(NamedTuple):
     """An attempt whose handler has run and whose outcome is not recorded yet."""
 
     seq: int

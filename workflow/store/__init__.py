@@ -219,12 +219,13 @@ class Store:
             "skipped": skipped,
             "wake": wake,
             "channel": CHANNEL,
+            "key_wait": KEY_WAIT if conn is None else None,
         }
         if conn is None:
-            rows = self._run("insert_run", {**params, "key_wait": KEY_WAIT}, "inserted_run")
+            rows = self._run("insert_run", params, "inserted_run")
         else:
             try:
-                rows = _execute(conn, "insert_run", {**params, "key_wait": None})
+                rows = _execute(conn, "insert_run", params)
             except psycopg.errors.UndefinedTable as e:
                 raise WorkflowError(
                     f"workflow: start_tx(): database {conn.info.dbname!r} has no pgworkflow "
