@@ -60,7 +60,7 @@ def available(pool: ConnectionPool[Any]) -> int:
 
 def backend(connections: Connections) -> int:
     """One statement through `connections`: the backend that ran it."""
-    (row,) = connections.run("backend", "SELECT pg_backend_pid()", {})
+    (row,) = connections.run("SELECT pg_backend_pid()", {})
     return int(row[0])
 
 
@@ -120,7 +120,7 @@ def test_close_returns_connections_used_by_several_threads(
 def test_a_failed_statement_does_not_keep_its_connection(fixed_pool: ConnectionPool[Any]) -> None:
     connections = Connections(fixed_pool, LOG, keep_warm=True)
     with pytest.raises(psycopg.errors.InvalidTextRepresentation):
-        connections.run("bad", "SELECT 'not an array literal'::text[]", {})
+        connections.run("SELECT 'not an array literal'::text[]", {})
     assert connections.warm == 0
     assert available(fixed_pool) == SIZE
     connections.close()
@@ -177,7 +177,7 @@ def test_a_connection_unused_for_warm_idle_goes_back(fixed_pool: ConnectionPool[
 
     def both() -> None:
         barrier.wait()
-        connections.run("sleep", "SELECT pg_sleep(0.2)", {})
+        connections.run("SELECT pg_sleep(0.2)", {})
 
     threads = [threading.Thread(target=both) for _ in range(2)]
     for t in threads:

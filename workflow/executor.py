@@ -126,22 +126,22 @@ class Executor:
                 retry = registry.policy(name, step.task.name).resolve(settings)
                 plans[step.task.name] = Plan(step, retry)
         self._in_flight = 0
-        self._idle = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._draining_waiters = 0  # drain() calls waiting for idle: only they are notified
 
-    def plan(self, workflow: str, task: str) -> Plan | None:
-        """How `task` of `workflow` is executed here; None when no handler is registered."""
-        plans = self._plans.get(workflow)
-        return None if plans is None else plans.get(task)
+    def plans(self, workflow: str) -> dict[str, Plan]:
+        """How each task of `workflow` is executed here, by task name (empty: not registered)."""
+        return self._plans.get(workflow, {})
 
     def admit(self) -> None:
         """Count one execution about to be handed to a thread."""
-        with self._idle:
+        with self._lock:
             self._in_flight += 1
 
     def dismiss(self) -> None:
         """Uncount an admitted execution that will not run (its thread refused it)."""
-        with self._idle:
+        with self._lock:
             self._in_flight -= 1
             if self._in_flight == 0 and self._draining_waiters:
                 self._idle.notify_all()
@@ -242,6 +242,7 @@ class _Execution:
         self.run_id = str(run.id)
         self.tasks = list(run.tasks)
         self.outputs: dict[str, TaskRow] = {t.name: t for t in self.tasks}
+        self.plans = executor.plans(run.workflow)
         self.decoded: dict[str, Any] = {}
         self.outcome: Status | None = None
         self.unrecorded: _Ran | None = None
@@ -254,10 +255,6 @@ class _Execution:
             self._log = self.executor.log.for_run(self.run_id)
         return self._log
 
-    def claim_lost(self) -> bool:
-        """True once the claim is known to belong to someone else (read afresh each time)."""
-        return self.claim.lost
-
     # The run's life.
 
     def run(self) -> None:
@@ -267,7 +264,7 @@ class _Execution:
         first = True
         while seq <= len(self.tasks):
             row = self.tasks[seq - 1]
-            plan = self.executor.plan(self.run_row.workflow, row.name)
+            plan = self.plans.get(row.name)
             if plan is None:
                 self.park(
                     row,
@@ -336,8 +333,9 @@ class _Execution:
         ran = _Ran(seq, row, plan, began)
         if error is not None and not isinstance(error, Exception):
             self.interrupted(ran, error)
-        if self.claim_lost():
-            self.attempt_ended(ran, Outcome.ABANDONED, error)
+        if self.claim.reason == LOST:
+            if executor.events.active:
+                self.attempt_ended(ran, Outcome.ABANDONED, error)
             raise _Stop
         self.unrecorded = ran
         task = plan.step.task
@@ -352,7 +350,8 @@ class _Execution:
             return self.complete(ran, document, plain)
         if executor.draining.is_set() or self.claim.reason == SHUTDOWN:
             # A failure caused by the shutdown does not spend the attempt.
-            self.attempt_ended(ran, Outcome.ABANDONED, error)
+            if executor.events.active:
+                self.attempt_ended(ran, Outcome.ABANDONED, error)
             self.release()
         text = error_text(error)
         timed_out = time.monotonic() >= deadline
@@ -421,7 +420,8 @@ class _Execution:
         ):
             self.lost()
         self.unrecorded = None
-        self.attempt_ended(ran, outcome, error)
+        if executor.events.active:
+            self.attempt_ended(ran, outcome, error)
         if not in_process:
             raise _Stop
         self.tasks[ran.seq - 1] = attrs.evolve(row, attempts=attempts)
@@ -444,7 +444,8 @@ class _Execution:
         if document is not None:
             self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
             self.outputs[row.name] = self.tasks[seq - 1]
-        self.attempt_ended(ran, Outcome.SUCCEEDED, None)
+        if executor.events.active:
+            self.attempt_ended(ran, Outcome.SUCCEEDED, None)
         if finishes:
             self.finished(Status.SUCCEEDED)
             raise _Stop
@@ -483,14 +484,13 @@ class _Execution:
     # What happened, for subscribers.
 
     def attempt_ended(self, ran: _Ran, outcome: Outcome, error: BaseException | None) -> None:
-        events = self.executor.events
-        if events.active:
-            events.emit(
-                AttemptEnded(
-                    self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
-                    ran.row.attempts + 1, outcome, time.monotonic() - ran.began, error,
-                )
+        """Announce how an attempt ended (callers check `events.active` first: it is hot)."""
+        self.executor.events.emit(
+            AttemptEnded(
+                self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
+                ran.row.attempts + 1, outcome, time.monotonic() - ran.began, error,
             )
+        )
 
     def finished(self, status: Status) -> None:
         self.outcome = status
@@ -598,7 +598,7 @@ class _Execution:
         ):
             self.lost()
         self.unrecorded = None
-        if ended is not None:
+        if ended is not None and self.executor.events.active:
             self.attempt_ended(*ended)
         self.log.log(
             ALERT,

@@ -249,7 +249,7 @@ class Manager:
         `run.status()` is this. Raises `RunNotFound` for an unknown or malformed id.
         """
         self._check_usable()
-        return run_status(read_status(self._store, _parse_id(run_id), str(run_id)))
+        return run_status(read_status(self._store, _parse_id(run_id), run_id))
 
     def wait(self, run_id: str | uuid.UUID, timeout: Duration | None = None) -> Status:
         """Block until the run is terminal and return its status; see `Run.wait`.
@@ -262,7 +262,7 @@ class Manager:
         self._check_usable()
         return wait(
             _parse_id(run_id),
-            str(run_id),
+            run_id,
             limit,
             endings=self._endings,
             store=self._store,

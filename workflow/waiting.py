@@ -107,11 +107,11 @@ class Endings:
             return waiter
 
 
-def read_status(store: Store, run_id: uuid.UUID, shown: str) -> StatusRow:
-    """The run's status row; `RunNotFound` (naming `shown`) for an unknown id."""
+def read_status(store: Store, run_id: uuid.UUID, shown: object) -> StatusRow:
+    """The run's status row; `RunNotFound` (naming `shown`, the id as given) for an unknown id."""
     row = store.run_status(run_id)
     if row is None:
-        raise RunNotFound(f"no run has id {shown!r}")
+        raise RunNotFound(f"no run has id {str(shown)!r}")
     return row
 
 
@@ -133,7 +133,7 @@ def run_status(row: StatusRow) -> RunStatus:
 
 def wait(
     run_id: uuid.UUID,
-    shown: str,
+    shown: object,
     limit: float | None,
     *,
     endings: Endings,

@@ -138,9 +138,13 @@ class Store:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.connections = Connections(
-            pool, EngineLog(logger or logging.getLogger("workflow")), keep_warm=keep_warm,
+            pool,
+            EngineLog(logger or logging.getLogger("workflow")),
+            queries=_Q,
+            keep_warm=keep_warm,
             clock=clock,
         )
+        self._run = self.connections.run
 
     def close(self, *, forked: bool = False) -> None:
         """Give the warm connections back (`forked`: forget them, they are the parent's)."""
@@ -150,15 +154,6 @@ class Store:
         """Give back the warm connections left unused too long."""
         self.connections.tidy()
 
-    def _run(self, name: str, params: dict[str, Any], recover: str | None = None) -> Rows:
-        return self.connections.run(
-            name, _Q[name], params, None if recover is None else _Q[recover]
-        )
-
-    def _run_fenced(self, name: str, params: dict[str, Any]) -> Rows:
-        """Run a write fenced by `params["claim_id"]`; a retry whose earlier try let
-        go of the claim (its reply lost) finds that in `released`, not "claim lost"."""
-        return self._run(name, params, "released")
 
     def check_schema(self) -> tuple[str, str]:
         """Raise `SchemaOutdated` when the database is behind `SCHEMA_VERSION`.
@@ -295,7 +290,7 @@ class Store:
     ) -> bool:
         """Record `seq`'s output and move the run to `next_seq`, or finish it; False when
         the claim was lost."""
-        rows = self._run_fenced(
+        rows = self._run(
             "complete_task",
             {
                 "id": run_id,
@@ -305,6 +300,7 @@ class Store:
                 "next_seq": next_seq,
                 "finishes": finishes,
             },
+            "released",  # a retry whose earlier try let go of the claim finds it here
         )
         return bool(rows)
 
@@ -327,7 +323,7 @@ class Store:
         `error` and `code` are made storable first (NUL and lone surrogates
         replaced, length bounded), so no text a handler raises can fail the write.
         """
-        rows = self._run_fenced(
+        rows = self._run(
             "fail_task",
             {
                 "id": run_id,
@@ -338,6 +334,7 @@ class Store:
                 "keep_claim": keep_claim,
                 "delay": delay,
             },
+            "released",  # a retry whose earlier try let go of the claim finds it here
         )
         return bool(rows)
 
@@ -354,7 +351,7 @@ class Store:
     ) -> bool:
         """Park the run on task `seq` with `error` (its attempt count now `attempts`;
         `spent`: the park ends an attempt); False when the claim was lost."""
-        rows = self._run_fenced(
+        rows = self._run(
             "park_run",
             {
                 "id": run_id,
@@ -364,6 +361,7 @@ class Store:
                 "attempts": attempts,
                 "spent": spent,
             },
+            "released",  # a retry whose earlier try let go of the claim finds it here
         )
         return bool(rows)
 
@@ -379,7 +377,7 @@ class Store:
 
         Not claimable before `retry_at`, or for `delay` seconds, when given.
         """
-        rows = self._run_fenced(
+        rows = self._run(
             "release_claim",
             {
                 "id": run_id,
@@ -388,6 +386,7 @@ class Store:
                 "delay": delay,
                 "channel": CHANNEL,
             },
+            "released",  # a retry whose earlier try let go of the claim finds it here
         )
         return bool(rows)
 

@@ -19,7 +19,7 @@ import random
 import re
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -166,10 +166,12 @@ class Connections:
         pool: ConnectionPool[Any],
         log: EngineLog,
         *,
+        queries: Mapping[str, str] | None = None,
         keep_warm: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = pool
+        self._queries = queries or {}
         self._log = log
         self._keep_warm = keep_warm
         self._clock = clock
@@ -238,26 +240,29 @@ class Connections:
         finally:
             self.pool.putconn(conn)
 
-    def run(self, name: str, sql: str, params: dict[str, Any], recover: str | None = None) -> Rows:
-        """Run statement `sql` (named `name`) in its own transaction, riding out lost connections.
+    def run(self, name: str, params: dict[str, Any], recover: str | None = None) -> Rows:
+        """Run statement `name` (of `queries`, else `name` is the SQL itself) in its own
+        transaction, riding out lost connections.
 
         A lost connection (a server restart, a terminated backend, a pool that
         cannot connect yet) is retried with jittered exponential backoff for up to
         `RETRY_FOR` seconds. The server may have committed the lost try and lost
-        only its reply: so each retry first runs `recover` (SQL, with the same
-        parameters), a statement that finds what an earlier try did, and returns
-        its rows when it finds anything; only otherwise is `sql` run again.
-        Without `recover`, `sql` must be safe to repeat as it is.
+        only its reply: so each retry first runs `recover` (named like `name`, with
+        the same parameters), a statement that finds what an earlier try did, and
+        returns its rows when it finds anything; only otherwise is `name` run again.
+        Without `recover`, the statement must be safe to repeat as it is.
 
         Raises `WorkflowError` when the pool is closed, and the database's error
         for anything else.
         """
+        queries = self._queries
+        sql = queries.get(name, name)
         deadline = math.inf
         failures = 0
         while True:
             try:
                 if failures and recover is not None:
-                    found = self._once(recover, params)
+                    found = self._once(queries.get(recover, recover), params)
                     if found:
                         return found
                 return self._once(sql, params)
