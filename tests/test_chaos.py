@@ -44,6 +44,7 @@ def test_chaos_short() -> None:
     details = "\n".join(result.problems + result.report.problems)
     report = result.report
     assert result.kills > 0 and result.restarts == 1, result.summary()
+    assert result.lost_replies > 0 and result.cancels > 0 and result.resumes > 0
     assert report.runs > 100 and report.executions >= 3 * report.runs, result.summary()
     assert report.started_recorded > 0
     assert result.drained, details

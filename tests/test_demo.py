@@ -38,6 +38,14 @@ STORY = [
     r"run \w{8}: run\.wait\(\) → PARKED",
     r"run \w{8}: run\.status\(\)\.failure → Failure\(task='transfer\.send', "
     r"error='the provider rejected the transfer: account blocked', code='rejected', attempts=1\)",
+    r"run \w{8}: Admin\.resume\(\.\.\.\) → RUNNING, claimable now",
+    r"run \w{8}: transfer\.send attempt 1 → sent 999\.00",
+    r"run \w{8}: run\.wait\(\) → SUCCEEDED",
+    r"run \w{8}: history → parked, resumed",
+    r"run \w{8}: transfer\.send attempt 1 → the provider is slow",
+    r"run \w{8}: Admin\.cancel\(\.\.\.\) → CANCELLED",
+    r"run \w{8}: run\.cancelled is set",
+    r"run \w{8}: run\.wait\(\) → CANCELLED",
     r"run \w{8}: inserted by start_tx\(\) in the request's transaction",
     r"run \w{8}: the request thread is gone; status → PENDING",
     r"worker: python -m workflow\.worker --app workflow\.demo:registry +\(pid (\d+)\)",
@@ -45,7 +53,8 @@ STORY = [
     r"run \w{8}: transfer\.send attempt 1 → sent 9\.90 .* +\[worker pid \d+\]",
     r"run \w{8}: status → SUCCEEDED, executed by the worker",
     r"worker: SIGTERM → drained and exited with code 0",
-    r"done in [\d.]+ s: 3 runs succeeded and 1 parked, as intended\.",
+    r"done in [\d.]+ s: 4 runs succeeded \(1 after a person resumed it\) and 1 was "
+    r"cancelled, as intended\.",
 ]
 
 
@@ -129,7 +138,7 @@ def test_demo_as_a_role_that_may_not_create_databases_uses_the_tables_it_is_give
                 "SELECT status, count(*) FROM workflow_runs WHERE workflow = 'demo.Transfer' "
                 "GROUP BY status ORDER BY status"
             ).fetchall()
-        assert rows == [("parked", 1), ("succeeded", 3)]
+        assert rows == [("cancelled", 1), ("succeeded", 4)]
     finally:
         drop_database(pg_url, name)
         with psycopg.connect(pg_url, autocommit=True) as admin:

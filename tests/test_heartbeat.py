@@ -17,11 +17,12 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import FirstAttempt, Inp, Out, Records, poll, registry, snapshot
+from helpers import FirstAttempt, Inp, Out, Records, poll, registry, snapshot, wait_until
 from pgbouncer import runner_config
 
 import workflow
 from workflow import Status
+from workflow.events import AttemptEnded
 
 # --- helpers -------------------------------------------------------------------------
 
@@ -253,3 +254,53 @@ def test_deadline_begun_while_the_heartbeat_thread_beats_still_cancels_on_time(
     assert events[at + 1] == "scan", (
         f"the deadline was only noticed on the next beat's wake-up, an interval late: {events}"
     )
+
+
+# --- a claim let go by the execution's own last write ------------------------------------
+
+
+@pytest.mark.parametrize("ending", ["finishes", "parks", "releases for a retry"])
+def test_a_check_between_the_last_write_and_the_claims_removal_reports_nothing_lost(
+    make_manager: Any, logs: tuple[logging.Logger, Records], ending: str
+) -> None:
+    """The run's last write lets go of the claim in the database a moment before the
+    execution stops heartbeating it. A check in that moment sees the claim gone, and
+    must not take it for a claim stolen by another executor (a false alarm, found by
+    bench/prune.py)."""
+    logger, records = logs
+
+    def a(run: workflow.TaskRun[Inp]) -> Out:
+        if ending == "finishes":
+            return Out("a")
+        raise workflow.Permanent("no") if ending == "parks" else RuntimeError("later")
+
+    config = workflow.Config(max_in_process_backoff=0)
+    reg, wf = registry(workflow.handle(A, a, max_attempts=2, backoff_schedule=[60]))
+    mgr = make_manager(reg, config, logger=logger)
+    heartbeat = mgr._heartbeat
+    checked = threading.Event()
+    check = heartbeat._check
+
+    def spied(claims: Any) -> None:
+        check(claims)
+        checked.set()
+
+    heartbeat._check = spied
+
+    def on_event(event: Any) -> None:
+        # Right after the attempt's write committed, on the executor's thread: the
+        # claim is still registered with the heartbeat.
+        if isinstance(event, AttemptEnded):
+            heartbeat.check_soon()
+            assert checked.wait(10)
+
+    mgr.events.subscribe(on_event)
+    run = wf.start(mgr, Inp(1))
+    expected = {"finishes": Status.SUCCEEDED, "parks": Status.PARKED}.get(ending)
+    if expected is not None:
+        assert run.wait(timeout=10) is expected
+    else:
+        wait_until(checked.is_set, "the check")
+    mgr.close(timeout=10)
+    assert checked.is_set()
+    assert not [m for m in records.messages() if "claim lost" in m]

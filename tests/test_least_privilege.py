@@ -6,12 +6,14 @@ grants, the ones the README shows:
 
     GRANT CONNECT ON DATABASE <db> TO <role>;
     GRANT USAGE ON SCHEMA public TO <role>;
-    GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks TO <role>;
+    GRANT SELECT, INSERT, UPDATE, DELETE
+        ON workflow_runs, workflow_tasks, workflow_events TO <role>;
     GRANT SELECT ON workflow_yoyo_migration TO <role>;
 
 and proves that a Manager and a runnable connecting as that role start (fast path
-and `start_tx`), execute, retry, park and sweep runs; and that the role cannot
-create, alter, truncate or drop tables.
+and `start_tx`), execute, retry, park and sweep runs, that an `Admin` as that role
+lists, cancels, resumes, forks and prunes them; and that the role cannot create,
+alter, truncate or drop tables.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ import workflow
 GRANTS = [
     "GRANT CONNECT ON DATABASE {db} TO {role}",
     "GRANT USAGE ON SCHEMA public TO {role}",
-    "GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks TO {role}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks, workflow_events "
+    "TO {role}",
     "GRANT SELECT ON workflow_yoyo_migration TO {role}",
 ]
 
@@ -225,3 +228,22 @@ def test_the_role_cannot_change_the_schema(role_url: str, statement: str) -> Non
         pytest.raises(psycopg.errors.InsufficientPrivilege),
     ):
         conn.execute(statement)
+
+
+def test_the_same_role_suffices_for_admin(role_url: str) -> None:
+    def rejects(run: workflow.TaskRun[str]) -> str:
+        raise workflow.Permanent("no")
+
+    reg = workflow.Registry()
+    reg.register(workflow.define(Order, workflow.handle(reserve, rejects)))
+    with workflow.Manager(role_url, reg) as mgr, workflow.Admin(role_url) as admin:
+        run = Order.start(mgr, "o-1")
+        assert run.wait(timeout=20) is workflow.Status.PARKED
+        assert [item.id for item in admin.runs().items] == [run.id]
+        assert admin.run(run.id).history[-1].kind == "parked"
+        fork_id = admin.fork(run.id)
+        assert admin.resume(run.id).status is workflow.Status.RUNNING
+        assert admin.cancel(run.id).status is workflow.Status.CANCELLED
+        assert admin.cancel(fork_id).status is workflow.Status.CANCELLED
+        assert admin.prune(older_than=0) == 2
+        assert admin.stats().workflows == ()

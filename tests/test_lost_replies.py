@@ -12,7 +12,10 @@ connection, and each statement must recognise its own earlier success:
   for another start's duplicate and launching nothing;
 - a failed attempt is counted once, not once per try;
 - a park, a finish and a release that let go of the claim are recognised as this
-  executor's (the ALERT of a park is logged; no "claim lost").
+  executor's (the ALERT of a park is logged; no "claim lost");
+- an operator's cancel or resume, one run or a batch, finds the history rows its
+  lost try wrote: each run is counted once and a resume is not refused as "not
+  resumable" because it already happened.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ INSERT = "INSERT INTO workflow_runs"
 FAILURE = "error_code = $"
 OUTPUT = "SET output = $"
 RELEASE = "SET claim_id = NULL, heartbeat_at = NULL"
+CANCEL = "SET status = 'cancelled'"
+RESUME = "SET status = 'running', finished_at = NULL"
 
 
 @pytest.fixture
@@ -277,3 +282,44 @@ def test_a_release_whose_reply_is_lost_is_seen_as_released(
     ).fetchone()
     assert row == (None, 2, "running"), "released on task b, claimable at once"
     no_claim_lost(logs[1])
+
+
+# --- an operator's actions -------------------------------------------------------------
+
+
+def events(db: psycopg.Connection[Any], kind: str) -> int:
+    row = db.execute("SELECT count(*) FROM workflow_events WHERE kind = %s", (kind,)).fetchone()
+    return int(row[0])
+
+
+def test_a_bulk_cancel_whose_reply_is_lost_counts_each_run_once(
+    proxied_pool: ConnectionPool[Any], proxy: ReplyProxy, db: psycopg.Connection[Any],
+    manager: Any,
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("a")))
+    mgr = manager(reg)
+    with db.transaction():
+        for n in range(3):
+            wf.start_tx(db, mgr, Inp(n))
+    proxy.drop_reply(CANCEL)
+    counted: list[int] = []
+    total = workflow.Admin(proxied_pool).cancel_matching(workflow="W", progress=counted.append)
+    assert proxy.dropped == 1
+    assert (total, counted) == (3, [3]), "the retry found the three its lost try cancelled"
+    assert events(db, "cancelled") == 3
+
+
+def test_a_resume_whose_reply_is_lost_is_seen_as_resumed(
+    proxied_pool: ConnectionPool[Any], proxy: ReplyProxy, db: psycopg.Connection[Any],
+    manager: Any,
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("a")))
+    mgr = manager(reg)
+    with db.transaction():
+        run = wf.start_tx(db, mgr, Inp(1))
+    admin = workflow.Admin(proxied_pool)
+    admin.cancel(run.id)
+    proxy.drop_reply(RESUME)
+    assert admin.resume(run.id).status is Status.RUNNING, "not refused as not resumable"
+    assert proxy.dropped == 1
+    assert events(db, "resumed") == 1

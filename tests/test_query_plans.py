@@ -205,3 +205,32 @@ def test_recognising_an_earlier_try_is_a_primary_key_lookup(
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_pkey"), scans
     _assert_no_seq_scan(scans)
+
+
+def test_a_prune_batch_reads_the_finished_index_only(plan_db: psycopg.Connection[Any]) -> None:
+    """SPEC 12: each prune batch is an index scan whose cost does not grow with what is kept."""
+    plan = _plan(plan_db, "prune_runs", {"status": "succeeded", "older_than": 86400.0,
+                                         "limit": 1000})
+    scans = _scans(plan)
+    assert _uses_index(scans, "workflow_runs_finished"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_listing_runs_newest_first_reads_the_created_index(
+    plan_db: psycopg.Connection[Any],
+) -> None:
+    params = {"statuses": None, "workflow": None, "since": None, "until": None,
+              "after_at": None, "after_id": None, "limit": 51}
+    scans = _scans(_plan(plan_db, "list_runs", params))
+    assert _uses_index(scans, "workflow_runs_created"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_queue_stats_read_only_unfinished_parked_and_recent_runs(
+    plan_db: psycopg.Connection[Any],
+) -> None:
+    scans = _scans(_plan(plan_db, "queue_stats", {"stale_after": 600.0}))
+    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_finished"), scans
+    _assert_no_seq_scan(scans)

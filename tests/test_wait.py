@@ -168,6 +168,11 @@ def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll
     transactions than the run itself (one insert, one per finished task, or one
     park), so `wait()` read nothing from the database, not even the final status.
 
+    A park is the one exception allowed: a run parked here may be resumed by a
+    person since (SPEC 12), so a `wait()` that arrives after its execution ended
+    reads its status once (one more transaction at most); a waiter already waiting
+    when it parked is woken without a read.
+
     Counted as in test_fast_path.py: one pooled connection without server-side
     prepares (a PREPARE counts as a transaction), stats force-flushed before the
     baseline and after the run (that flush is one transaction), the counter read
@@ -204,7 +209,8 @@ def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll
             mgr.close(timeout=10)
     terminal = workflow.Status.SUCCEEDED if outcome == "ok" else workflow.Status.PARKED
     assert set(statuses) == {terminal}
-    assert min(costs) == expected, f"transactions for start() + wait(), measured: {costs}"
+    allowed = {expected} if outcome == "ok" else {expected, expected + 1}
+    assert min(costs) in allowed, f"transactions for start() + wait(), measured: {costs}"
 
 
 def test_wait_on_a_run_parked_in_this_process_returns_parked(

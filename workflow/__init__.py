@@ -6,8 +6,18 @@ them (`Registry`), build a `Manager` over a connection pool, and start runs with
 migrations and the only SQL.
 """
 
+from workflow.admin import (
+    Admin,
+    HistoryEntry,
+    QueueStats,
+    RunDetail,
+    RunPage,
+    RunSummary,
+    TaskState,
+    WorkflowStats,
+)
 from workflow.app import App
-from workflow.config import Config, RunnerConfig
+from workflow.config import Config, Retention, RunnerConfig
 from workflow.definition import Definition, Registry, Step, Task, Workflow, define, handle
 from workflow.errors import (
     Cancelled,
@@ -15,6 +25,7 @@ from workflow.errors import (
     ConfigError,
     DecodeError,
     EncodeError,
+    NotResumable,
     OutputMissing,
     Permanent,
     RegistrationError,
@@ -36,6 +47,7 @@ from workflow.taskrun import TaskRun, new_task_run
 __all__ = [
     "ALERT",
     "AESGCMCipher",
+    "Admin",
     "App",
     "Backoff",
     "Cancelled",
@@ -47,24 +59,33 @@ __all__ = [
     "Definition",
     "EncodeError",
     "Failure",
+    "HistoryEntry",
     "Manager",
+    "NotResumable",
     "OutputMissing",
     "Permanent",
     "Propagation",
     "Propagator",
+    "QueueStats",
     "RegistrationError",
     "Registry",
+    "Retention",
     "Run",
+    "RunDetail",
     "RunNotFound",
+    "RunPage",
     "RunStatus",
+    "RunSummary",
     "RunnerConfig",
     "SchemaOutdated",
     "Status",
     "Step",
     "Task",
     "TaskRun",
+    "TaskState",
     "Workflow",
     "WorkflowError",
+    "WorkflowStats",
     "code_of",
     "define",
     "handle",

@@ -6,6 +6,9 @@
     python -m workflow demo    [--database-url URL]   run a Transfer workflow end to end,
                                                       narrated (embedded PostgreSQL
                                                       when no URL is set)
+    python -m workflow runs list|show|cancel|resume|fork ...
+    python -m workflow prune [--older-than 7d] ...    see and steer runs (admin_cli.py)
+    python -m workflow stats [--json]
 
 The URL defaults to `$WORKFLOW_DATABASE_URL`. Exit codes: 0 success, 1 failure
 (unreachable database, schema behind, a failed migration), 2 usage error. Every
@@ -26,6 +29,7 @@ from typing import Any
 import psycopg
 
 from workflow._cli import CommandFailed, Parser, add_database_url, database_url, run
+from workflow.admin_cli import add_commands
 from workflow.errors import WorkflowError
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, migrate, schema_version
 from workflow.store.connections import connect_explained, one_line
@@ -129,6 +133,7 @@ def _parser() -> Parser:
         ),
     )
     demo_cmd.set_defaults(func=_cmd_demo)
+    add_commands(commands, database)
     return parser
 
 

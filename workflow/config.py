@@ -1,4 +1,4 @@
-"""Configuration values: `Config` (a manager) and `RunnerConfig` (a runnable), with defaults.
+"""Configuration values: `Config` (a manager), `RunnerConfig` (a runnable) and `Retention`.
 
 All are frozen attrs classes validated at construction; a field left at None
 takes its default. Durations are seconds (int or float) or `datetime.timedelta`.
@@ -6,6 +6,7 @@ takes its default. Durations are seconds (int or float) or `datetime.timedelta`.
 
 from __future__ import annotations
 
+import datetime
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -47,6 +48,11 @@ def _check(options: AttrsInstance) -> None:
         elif kind == "count":
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name} must be a positive int, got {value!r}")
+        elif kind == "retention":
+            if not isinstance(value, Retention):
+                raise ConfigError(
+                    f"{name} must be a workflow.Retention, not {type(value).__name__}"
+                )
         elif not isinstance(value, bool):
             raise ConfigError(f"{name} must be a bool, got {value!r}")
 
@@ -138,12 +144,48 @@ class Settings:
 
 
 @attrs.frozen(kw_only=True)
+class Retention:
+    """How long finished runs are kept before a worker prunes them; None: forever.
+
+    Defaults: `succeeded` 7 days, `cancelled` 30 days, `parked` None (a parked run
+    waits for a person). Raises `ConfigError` for a value that is not a
+    non-negative duration.
+    """
+
+    succeeded: Duration | None = datetime.timedelta(days=7)
+    cancelled: Duration | None = datetime.timedelta(days=30)
+    parked: Duration | None = None
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("succeeded", "cancelled", "parked"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            try:
+                age = seconds(value, f"Retention.{name}")
+            except (TypeError, ValueError) as e:
+                raise ConfigError(str(e)) from None
+            if age < 0:
+                raise ConfigError(f"Retention.{name} must not be negative, got {value!r}")
+
+    def ages(self) -> dict[str, float]:
+        """Status -> seconds after which a finished run of it is pruned (kept ones left out)."""
+        return {
+            name: seconds(value, name)
+            for name in ("succeeded", "cancelled", "parked")
+            if (value := getattr(self, name)) is not None
+        }
+
+
+@attrs.frozen(kw_only=True)
 class RunnerConfig:
     """A runnable's settings; a field left at None takes its default.
 
     `poll_interval` 30 s, `batch_size` 10, `concurrency` 4, `sweep_enabled` True,
     `sweep_interval` 60 s, `listen` True (LISTEN for wake-ups; False behind a
-    transaction-mode pooler such as PgBouncer).
+    transaction-mode pooler such as PgBouncer), `prune_enabled` True,
+    `prune_interval` 300 s, `retention` `Retention()` (succeeded 7 days, cancelled
+    30 days, parked kept).
     """
 
     poll_interval: Duration | None = attrs.field(default=None, metadata=_option(30.0, "duration"))
@@ -152,6 +194,13 @@ class RunnerConfig:
     sweep_enabled: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
     sweep_interval: Duration | None = attrs.field(default=None, metadata=_option(60.0, "duration"))
     listen: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
+    prune_enabled: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
+    prune_interval: Duration | None = attrs.field(
+        default=None, metadata=_option(300.0, "duration")
+    )
+    retention: Retention | None = attrs.field(
+        default=None, metadata=_option(Retention(), "retention")
+    )
 
     def __attrs_post_init__(self) -> None:
         _check(self)
@@ -167,6 +216,9 @@ class RunnerSettings:
     sweep_enabled: bool
     sweep_interval: float
     listen: bool
+    prune_enabled: bool
+    prune_interval: float
+    retention: Retention
 
     @classmethod
     def of(cls, config: RunnerConfig) -> RunnerSettings:

@@ -74,7 +74,12 @@ send = workflow.Task("transfer.send")
 FLAKY = "acct-flaky"
 """An account whose provider times out on the first attempt to send."""
 BLOCKED = "acct-blocked"
-"""An account the provider rejects."""
+"""An account the provider rejects, until it is fixed (`_provider_fixed`)."""
+SLOW = "acct-slow"
+"""An account whose provider is slow to send: the demo cancels it meanwhile."""
+
+_provider_fixed = threading.Event()
+_sending_slowly = threading.Event()
 
 
 class ProviderTimeout(Exception):
@@ -122,7 +127,13 @@ def _send(run: workflow.TaskRun[TransferInput]) -> None:
     if run.input.account == FLAKY and run.attempt == 1:
         _say(run.run_id, f"{step} → ProviderTimeout: the provider did not answer (retryable)")
         raise ProviderTimeout("the provider did not answer in time")
-    if run.input.account == BLOCKED:
+    if run.input.account == SLOW:
+        _say(run.run_id, f"{step} → the provider is slow; waiting on run.cancelled ...")
+        _sending_slowly.set()
+        if run.cancelled.wait(10):
+            _say(run.run_id, "run.cancelled is set: the handler stops (nothing is recorded)")
+            run.raise_if_cancelled()
+    if run.input.account == BLOCKED and not _provider_fixed.is_set():
         _say(
             run.run_id,
             f"{step} → ProviderRejected: raise permanent(with_code('rejected', ...))",
@@ -293,7 +304,7 @@ class _Story:
         if status is not workflow.Status.SUCCEEDED:
             self.problems.append(f"run 2 ended {status.name}, expected SUCCEEDED")
 
-    def parks(self) -> None:
+    def parks(self) -> workflow.Run:
         self.section(
             "3. A transfer the provider rejects.",
             "A permanent failure parks the run at once, whatever budget is left; with_code",
@@ -307,10 +318,48 @@ class _Story:
         _say(run.id, f"run.status().failure → {failure!r}")
         if status is not workflow.Status.PARKED or failure is None or failure.code != "rejected":
             self.problems.append(f"run 3 ended {status.name} ({failure!r}), expected PARKED")
+        return run
+
+    def fixed(self, run: workflow.Run) -> None:
+        self.section(
+            "4. A person fixes the provider and resumes the parked transfer.",
+            "workflow.Admin needs only the database (python -m workflow runs resume ID does",
+            "the same): the run goes on from the task it parked on, with a fresh budget;",
+            "reserve is not run again. The history keeps the park and the resume.",
+        )
+        _provider_fixed.set()
+        with workflow.Admin(self.pool) as admin:
+            status = admin.resume(run.id, reason="the provider unblocked the account")
+            _say(run.id, f"Admin.resume(...) → {status.status.name}, claimable now")
+            final = self.wait(run)
+            _say(run.id, f"run.wait() → {final.name}")
+            kinds = [entry.kind for entry in admin.run(run.id).history]
+            _say(run.id, f"history → {', '.join(kinds)}")
+        if final is not workflow.Status.SUCCEEDED or kinds[-2:] != ["parked", "resumed"]:
+            self.problems.append(f"run 3 ended {final.name} after its resume ({kinds})")
+
+    def cancelled(self) -> None:
+        self.section(
+            "5. A transfer cancelled while it runs.",
+            "Admin.cancel() makes the run CANCELLED and drops its claim in one statement:",
+            "the executor's next write matches nothing, so it stops without touching the",
+            "run, and the handler sees run.cancelled within about a second.",
+            f"Transfer.start(mgr, {TransferInput(SLOW, 500)!r})",
+        )
+        run = Transfer.start(self.mgr, TransferInput(SLOW, 500))
+        if not _sending_slowly.wait(DEADLINE):
+            raise DemoError("run 5 never reached its send")
+        with workflow.Admin(self.pool) as admin:
+            status = admin.cancel(run.id, reason="the customer withdrew")
+        _say(run.id, f"Admin.cancel(...) → {status.status.name}")
+        final = self.wait(run)
+        _say(run.id, f"run.wait() → {final.name}")
+        if final is not workflow.Status.CANCELLED:
+            self.problems.append(f"run 5 ended {final.name}, expected CANCELLED")
 
     def resumes(self) -> None:
         self.section(
-            "4. A transfer enqueued in the caller's transaction, resumed by a worker.",
+            "6. A transfer enqueued in the caller's transaction, resumed by a worker.",
             "start_tx() inserts with the caller's connection, inside its transaction, and",
             "launches nothing: the run exists if and only if that transaction commits.",
             "Here a request thread commits and ends; a worker process picks the run up.",
@@ -328,7 +377,7 @@ class _Story:
         thread.start()
         thread.join()
         if not started:
-            raise DemoError("the request thread failed to start run 4")
+            raise DemoError("the request thread failed to start run 6")
         run = started[0]
         _say(run.id, f"the request thread is gone; status → {run.status().status.name}")
         self._with_worker(run)
@@ -350,13 +399,13 @@ class _Story:
                     break
                 code = worker.poll()
                 if code is not None:
-                    raise DemoError(f"the worker exited with code {code} before run 4 finished")
+                    raise DemoError(f"the worker exited with code {code} before run 6 finished")
                 if time.monotonic() > deadline:
-                    raise DemoError(f"the worker did not finish run 4 within {DEADLINE:g}s")
+                    raise DemoError(f"the worker did not finish run 6 within {DEADLINE:g}s")
                 time.sleep(0.05)
             _say(run.id, f"status → {status.name}, executed by the worker")
             if status is not workflow.Status.SUCCEEDED:
-                self.problems.append(f"run 4 ended {status.name}, expected SUCCEEDED")
+                self.problems.append(f"run 6 ended {status.name}, expected SUCCEEDED")
             worker.send_signal(signal.SIGTERM)
             code = worker.wait(DEADLINE)
             _print(f"   worker: SIGTERM → drained and exited with code {code}")
@@ -395,7 +444,9 @@ def run_demo(database_url: str | None = None) -> int:
                     story = _Story(conninfo, mgr, pool)
                     story.succeeds()
                     story.retries()
-                    story.parks()
+                    parked = story.parks()
+                    story.fixed(parked)
+                    story.cancelled()
                     story.resumes()
             finally:
                 pool.close()
@@ -411,6 +462,7 @@ def run_demo(database_url: str | None = None) -> int:
             print(f"workflow demo: unexpected: {problem}", file=sys.stderr)
         return 1
     _print(
-        f"done in {time.monotonic() - began:.1f} s: 3 runs succeeded and 1 parked, as intended."
+        f"done in {time.monotonic() - began:.1f} s: 4 runs succeeded (1 after a person resumed "
+        "it) and 1 was cancelled, as intended."
     )
     return 0

@@ -42,6 +42,10 @@ class RunNotFound(WorkflowError, LookupError):
     """No run has this id (or it is malformed, or belongs to another workflow)."""
 
 
+class NotResumable(WorkflowError):
+    """`Admin.resume` of a run that is neither parked nor cancelled with tasks left."""
+
+
 class Cancelled(WorkflowError):
     """Raised by `TaskRun.raise_if_cancelled()` once the attempt's `cancelled` is set."""
 

@@ -56,7 +56,7 @@ from workflow.events import (
     RunClaimed,
     RunFinished,
 )
-from workflow.heartbeat import LOST, SHUTDOWN, Claim, Heartbeat
+from workflow.heartbeat import CANCELLED, LOST, SHUTDOWN, Claim, Heartbeat
 from workflow.logs import ALERT, EngineLog
 from workflow.retry import Retry
 from workflow.run import Status
@@ -333,9 +333,9 @@ class _Execution:
         ran = _Ran(seq, row, plan, began)
         if error is not None and not isinstance(error, Exception):
             self.interrupted(ran, error)
-        if self.claim.reason == LOST:
+        if self.claim.reason in (LOST, CANCELLED):
             if executor.events.active:
-                self.attempt_ended(ran, Outcome.ABANDONED, error)
+                self.attempt_ended(ran, self.gone_outcome(), error)
             raise _Stop
         self.unrecorded = ran
         task = plan.step.task
@@ -414,6 +414,8 @@ class _Execution:
             row.name, attempts, retry.max_attempts, delay,
             "" if in_process else " (claim released for a poller)", text,
         )
+        if not in_process:
+            self.claim.leave()
         if not executor.store.fail_task(
             self.run_row.id, self.run_row.claim_id, ran.seq,
             error=text, code=code, attempts=attempts, keep_claim=in_process, delay=delay,
@@ -436,6 +438,8 @@ class _Execution:
         while next_seq <= len(self.tasks) and self.tasks[next_seq - 1].skipped:
             next_seq += 1
         finishes = next_seq > len(self.tasks)
+        if finishes:
+            self.claim.leave()
         if not executor.store.complete_task(
             self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes
         ):
@@ -508,8 +512,8 @@ class _Execution:
         first = self.tasks[self.run_row.current_seq - 1]
         try:
             document = open_document(
-                self.run_row.input, self.run_row.input_sealed, self.run_row.id,
-                self.executor.cipher, "input",
+                self.run_row.input, self.run_row.input_sealed,
+                self.run_row.sealed_for or self.run_row.id, self.executor.cipher, "input",
             )
             # Sealed means no value may reach the error text (it is stored and logged).
             return codec.decode(
@@ -530,7 +534,8 @@ class _Execution:
             # The stored JSON text: "null" is a snapshot too (of an Optional type).
             plain = None if run.context is None else json.loads(run.context)
             document = open_document(
-                plain, run.context_sealed, run.id, self.executor.cipher, "calling context"
+                plain, run.context_sealed, run.sealed_for or run.id, self.executor.cipher,
+                "calling context",
             )
             snapshot = propagation.decode_snapshot(
                 document, redact=run.context_sealed is not None
@@ -592,6 +597,7 @@ class _Execution:
         `ended`: the attempt whose failure parks it, announced once recorded.
         """
         attempts = row.attempts + spent
+        self.claim.leave()
         if not self.executor.store.park_run(
             self.run_row.id, self.run_row.claim_id, row.seq,
             error=text, code=code, attempts=attempts, spent=spent > 0,
@@ -612,6 +618,7 @@ class _Execution:
         self, retry_at: datetime.datetime | None = None, *, delay: float | None = None
     ) -> NoReturn:
         """Give the claim up without ending an attempt; always stops."""
+        self.claim.leave()
         try:
             released = self.executor.store.release_claim(
                 self.run_row.id, self.run_row.claim_id, retry_at, delay=delay
@@ -625,11 +632,31 @@ class _Execution:
         raise _Stop
 
     def lost(self) -> NoReturn:
-        """A fenced write matched nothing: another executor owns the run."""
-        self.claim.cancel(LOST)
-        self.unrecorded = None
-        self.log.warning("claim lost (another executor owns the run); stopping")
+        """A fenced write matched nothing: the run was cancelled, or another executor
+        owns it. Either way this execution stops, touching nothing; what its attempt
+        did is discarded and not counted."""
+        cancelled = self.claim.reason == CANCELLED or self.read_cancelled()
+        self.claim.cancel(CANCELLED if cancelled else LOST)
         events = self.executor.events
-        if events.active:
-            events.emit(ClaimLost(self.run_row.id, self.run_row.workflow))
+        if self.unrecorded is not None and events.active:
+            self.attempt_ended(self.unrecorded, self.gone_outcome(), None)
+        self.unrecorded = None
+        if cancelled:
+            self.log.info("the run was cancelled; stopping (this attempt is not counted)")
+        else:
+            self.log.warning("claim lost (another executor owns the run); stopping")
+            if events.active:
+                events.emit(ClaimLost(self.run_row.id, self.run_row.workflow))
         raise _Stop
+
+    def read_cancelled(self) -> bool:
+        """Whether the run is cancelled now (one read, on the rare path of a lost write)."""
+        try:
+            row = self.executor.store.run_status(self.run_row.id)
+        except Exception:
+            return False
+        return row is not None and row.status == Status.CANCELLED.value
+
+    def gone_outcome(self) -> Outcome:
+        """How an attempt ends whose claim is gone: CANCELLED with its run, else ABANDONED."""
+        return Outcome.CANCELLED if self.claim.reason == CANCELLED else Outcome.ABANDONED

@@ -1,4 +1,5 @@
-"""The listener: wakes the poller when a run is started or released elsewhere.
+"""The listener: wakes the poller when a run is started or released elsewhere, and the
+heartbeat when a run is cancelled (so its handler sees `cancelled` at once).
 
 It LISTENs on a dedicated connection (not from the pool: LISTEN is session
 state). A lost connection is re-established with backoff and logged, never fatal:
@@ -14,11 +15,12 @@ import psycopg
 
 from workflow.logs import EngineLog
 from workflow.service import Service
-from workflow.store import Store
+from workflow.store import CANCELS, Store
 
 
 class Listener(Service):
-    """Calls `wake()` for each wake-up about one of `workflows`, until stopped."""
+    """Calls `wake()` for each wake-up about one of `workflows`, and `cancelled(run_id)`
+    for each cancellation, until stopped."""
 
     name = "workflow-listener"
 
@@ -30,6 +32,7 @@ class Listener(Service):
         kwargs: dict[str, Any],
         workflows: Collection[str],
         wake: Callable[[], None],
+        cancelled: Callable[[str], None] | None = None,
     ) -> None:
         super().__init__()
         self._store = store
@@ -38,6 +41,7 @@ class Listener(Service):
         self._kwargs = {k: v for k, v in kwargs.items() if k != "autocommit"}
         self._workflows = frozenset(workflows)
         self._wake_poller = wake
+        self._cancelled = cancelled
         self._conn: psycopg.Connection[Any] | None = None
 
     def _loop(self) -> None:
@@ -52,7 +56,10 @@ class Listener(Service):
                 self._wake_poller()
                 while not self._stopping.is_set():
                     for note in self._conn.notifies(timeout=0.5):
-                        if not note.payload or note.payload in self._workflows:
+                        if note.channel == CANCELS:
+                            if self._cancelled is not None:
+                                self._cancelled(note.payload)
+                        elif not note.payload or note.payload in self._workflows:
                             self._wake_poller()
             except Exception as e:
                 if self._stopping.is_set():

@@ -294,7 +294,7 @@ class Manager:
         row = self._store.run_input(key)
         if row is None or row[0] != workflow.name:
             raise RunNotFound(f"no run of workflow {workflow.name!r} has id {run_id!r}")
-        document = open_document(row[1], row[2], key, self._config.cipher, "input")
+        document = open_document(row[1], row[2], row[3] or key, self._config.cipher, "input")
         value: In = codec.decode(document, workflow.input_type, redact=row[2] is not None)
         return value
 

@@ -25,9 +25,9 @@ class Status(str, enum.Enum):
     SUCCEEDED = "succeeded"
     """Every task is done."""
     PARKED = "parked"
-    """Stopped; needs a person. `RunStatus.failure` says why."""
+    """Stopped; needs a person (`Admin.resume` goes on). `RunStatus.failure` says why."""
     CANCELLED = "cancelled"
-    """Reserved: no path produces it yet (operations, SPEC 12, will)."""
+    """Cancelled by a person (`Admin.cancel`); resumable while it has tasks left."""
 
     @property
     def terminal(self) -> bool:

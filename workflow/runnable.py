@@ -1,11 +1,12 @@
-"""A runnable: the poller, the sweeper and the listener over one manager's executor.
+"""A runnable: the poller, the sweeper, the pruner and the listener over one manager's executor.
 
 What happens at stop (and at SIGTERM, which the worker CLI turns into `stop()`):
 the listener and the poller stop, so nothing new is claimed; then the executor
 drains (`Executor.drain`): no attempt begins, every in-flight handler sees
 `cancelled`, and each execution records its attempt (a success is persisted, a
 failure caused by the shutdown is not counted) and releases its claim for
-immediate re-claim; then the sweeper stops. One deadline bounds the whole stop.
+immediate re-claim; then the sweeper and the pruner stop. One deadline bounds the
+whole stop.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from workflow.durations import Duration, seconds
 from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
 from workflow.poller import Poller
+from workflow.pruner import Pruner
+from workflow.service import Service
 from workflow.sweeper import Sweeper
 
 
@@ -49,6 +52,11 @@ class Runnable:
             if settings.sweep_enabled
             else None
         )
+        self._pruner = (
+            Pruner(executor, settings.retention, settings.prune_interval)
+            if settings.prune_enabled
+            else None
+        )
         self._listener = (
             Listener(
                 executor.store,
@@ -57,6 +65,7 @@ class Runnable:
                 kwargs,
                 executor.registry.names(),
                 self._poller.wake,
+                executor.heartbeat.check_soon,
             )
             if settings.listen
             else None
@@ -71,6 +80,11 @@ class Runnable:
         """The sweeper, or None when sweeping is disabled."""
         return self._sweeper
 
+    @property
+    def pruner(self) -> Pruner | None:
+        """The pruner, or None when pruning is disabled."""
+        return self._pruner
+
     def start(self) -> None:
         """Start the poller, sweeper and listener threads; returns at once.
 
@@ -83,7 +97,7 @@ class Runnable:
             if self._started or self._stopped.is_set():
                 return
             self._started = True
-            for service in (self._listener, self._sweeper, self._poller):
+            for service in (self._listener, self._sweeper, self._pruner, self._poller):
                 if service is not None:
                     service.start()
 
@@ -109,11 +123,14 @@ class Runnable:
 
         with self._lock:
             self._stopped.set()
-        for service in (self._listener, self._poller):
+        claiming: tuple[Service | None, ...] = (self._listener, self._poller)
+        for service in claiming:
             if service is not None:
                 service.stop(left())
         drained = self._executor.drain(left())
-        if self._sweeper is not None:
-            self._sweeper.stop(left())
+        maintaining: tuple[Service | None, ...] = (self._sweeper, self._pruner)
+        for service in maintaining:
+            if service is not None:
+                service.stop(left())
         self._done.set()
         return drained

@@ -78,13 +78,18 @@ class Endings:
             self._local.setdefault(run_id, Ending())
 
     def ended(self, run_id: uuid.UUID, status: Status | None) -> None:
-        """A local execution of `run_id` ended, with the terminal status it wrote or None."""
+        """A local execution of `run_id` ended, with the terminal status it wrote or None.
+
+        Only a success is kept for late waiters: a parked (or cancelled) run may be
+        resumed, so its waiters read the database.
+        """
         with self._lock:
             ending = self._local.pop(run_id, None)
             if status is not None:
                 ending = ending or Ending()
                 ending.status = status
-                self._recent[run_id] = ending
+                if status is Status.SUCCEEDED:
+                    self._recent[run_id] = ending
                 while len(self._recent) > RECENT:
                     self._recent.popitem(last=False)
             waiter = self._waiters.get(run_id)

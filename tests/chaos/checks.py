@@ -57,7 +57,9 @@ counted, once.
   (`phantom_attempts`).
 - An execution that raised needs a bump under its claim: its failure (that
   attempt), or a sweep of its claim, or a release by a process told to drain
-  (a failure during shutdown spends no attempt, by design) (`uncounted`).
+  (a failure during shutdown spends no attempt, by design), or an operator's
+  cancel (a cancelled run's attempt is discarded, by design) (`uncounted`).
+- An operator's resume resets the count to 0 (a fresh budget): not a bump.
 Beyond that an attempt may run again only after its execution was interrupted:
 the attempt check above flags any execution that saw a count its predecessors
 did not leave.
@@ -98,6 +100,7 @@ class Report:
     uncounted: int = 0
     phantom_attempts: int = 0
     double_counted: int = 0
+    cancelled: int = 0
     problems: list[str] = attrs.field(factory=list)
 
     @property
@@ -193,11 +196,22 @@ def check(
     r.started_recorded = len(started)
     r.executions = len(execs)
 
-    # 1. Lost: every recorded start exists, and every run of the table succeeded.
+    cancelled_by_operator = {
+        row[0]
+        for row in conn.execute(
+            "SELECT run_id FROM workflow_events WHERE kind = 'cancelled' AND actor = 'chaos'"
+        ).fetchall()
+    }
+
+    # 1. Lost: every recorded start exists, and every run of the table succeeded (or an
+    # operator cancelled it, last).
     for run_id in started - runs.keys():
         r.lost += 1
         r.problem(f"lost: run {run_id} was started (committed) but is not in workflow_runs")
     for run_id, status in runs.items():
+        if status == "cancelled" and run_id in cancelled_by_operator:
+            r.cancelled += 1
+            continue
         if status != "succeeded":
             r.lost += 1
             r.problem(f"lost: run {run_id} ended {status}, not succeeded")
@@ -357,8 +371,8 @@ def _check_counts(
         swept: set[uuid.UUID | None] = set()
         matched: set[uuid.UUID] = set()
         for _, _, old, new, error, at, xid in events.get(key, []):
-            if new == old:
-                continue
+            if new <= old:
+                continue  # unchanged, or reset to a fresh budget by a resume
             bump_xids.add(xid)
             if new - old > 1:
                 r.double_counted += 1
@@ -402,6 +416,8 @@ def _check_counts(
                 app, _, released_at = releaser
                 if app in stops and stops[app] <= released_at:
                     continue  # released in a drain: a failure caused by shutdown spends none
+                if app == "chaos-operator":
+                    continue  # cancelled: what the attempt did is discarded, not counted
             r.uncounted += 1
             r.problem(
                 f"count: task {key}: execution {e.exec_id} raised on attempt {e.attempt} "

@@ -14,9 +14,12 @@
    `application_name`, so the claims trigger knows who set each claim.
 3. For the load period, every 2-4 s SIGKILL a random worker and start a
    replacement at once; once, part-way, restart PostgreSQL (`pg_ctl restart -m
-   fast`). Each kill and the restart are recorded in `chaos_faults` (database
-   clock). A worker that exits on its own after it had started is a crash; a
-   replacement that fails to start (it may find the server down) is restarted.
+   fast`); every 1-3 s an operator (`workflow.Admin`, application name
+   `chaos-operator`) cancels a random unfinished run, and resumes about half of
+   the runs it cancelled a moment later. Each kill and the restart are recorded
+   in `chaos_faults` (database clock). A worker that exits on its own after it
+   had started is a crash; a replacement that fails to start (it may find the
+   server down) is restarted.
 4. SIGTERM the starter (it drains its manager and reports its counts), wait with a
    deadline until no run is unfinished, SIGTERM the workers (each must exit 0).
 5. Run the checks (`checks.py`) and print one summary line.
@@ -40,6 +43,7 @@ from typing import IO, Any
 import attrs
 import psycopg
 
+import workflow
 from workflow.store import migrate
 
 from . import app as chaos_app
@@ -84,6 +88,8 @@ class Plan:
     seed: int = 0
     drop_probability: float = 0.01
     """The share of the engine's statements whose reply is lost after commit."""
+    operate_every: tuple[float, float] = (1.0, 3.0)
+    """Seconds between an operator's cancels (half of them resumed a moment later)."""
 
     @classmethod
     def short(cls, seed: int = 0) -> Plan:
@@ -107,6 +113,8 @@ class Result:
     drained: bool = False
     lost_replies: int = 0
     cut_transactions: int = 0
+    cancels: int = 0
+    resumes: int = 0
     seconds: float = 0.0
     logdir: Path | None = None
     problems: list[str] = attrs.field(factory=list)
@@ -126,7 +134,8 @@ class Result:
         r = self.report
         return (
             f"chaos summary: runs={r.runs} kills={self.kills} restarts={self.restarts} "
-            f"lost_replies={self.lost_replies} re-executions={r.re_executions} lost={r.lost} "
+            f"lost_replies={self.lost_replies} cancels={self.cancels} resumes={self.resumes} "
+            f"re-executions={r.re_executions} lost={r.lost} "
             f"overwritten={r.overwritten} miscounted={r.miscounted} "
             f"overlaps={r.overlaps} attempts_over={r.attempts_over} "
             f"stale_reads={r.stale_reads} crashes={self.crashes} "
@@ -211,6 +220,49 @@ def _worker(index: int, url: str, engine_url: str, logdir: Path) -> _Proc:
     return _Proc(name, argv, url, logdir)
 
 
+class _Operator:
+    """A person at `python -m workflow runs`: cancels random unfinished runs, resumes some.
+
+    Each action rides out the server restart (it is skipped when the server is
+    down); a run it resumes must still reach a terminal status by the end.
+    """
+
+    def __init__(self, url: str, rng: random.Random) -> None:
+        self._url = url
+        self._rng = rng
+        self._to_resume: list[str] = []
+        self.cancels = 0
+        self.resumes = 0
+
+    def act(self) -> None:
+        try:
+            with workflow.Admin(self._url) as admin:
+                for run_id in self._to_resume:
+                    try:
+                        admin.resume(run_id, reason="chaos: changed its mind", actor="chaos")
+                        self.resumes += 1
+                    except workflow.NotResumable:
+                        pass
+                self._to_resume = []
+                page = admin.runs(status=["pending", "running"], limit=50)
+                if not page.items:
+                    return
+                victim = self._rng.choice(page.items)
+                status = admin.cancel(victim.id, reason="chaos: withdrawn", actor="chaos")
+                if status.status is workflow.Status.CANCELLED:
+                    self.cancels += 1
+                    if self._rng.random() < 0.5:
+                        self._to_resume.append(victim.id)
+        except (psycopg.OperationalError, workflow.WorkflowError):
+            pass  # the server is restarting: the next action goes on
+
+    def finish(self) -> None:
+        """Resume what was left to resume, so those runs too must finish."""
+        deadline = time.monotonic() + 30
+        while self._to_resume and time.monotonic() < deadline:
+            self.act()
+
+
 def _record_fault(url: str, sql: str, params: tuple[Any, ...]) -> None:
     """Write a `chaos_faults` row (straight to the server), riding out a restart."""
     deadline = time.monotonic() + 60
@@ -285,11 +337,16 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
         )
         procs.append(starter)
 
+        operator = _Operator(_named(url, "chaos-operator"), rng)
         load_end = time.monotonic() + plan.load_seconds
         restart_at = time.monotonic() + plan.load_seconds * plan.restart_at
         next_kill = time.monotonic() + rng.uniform(*plan.kill_every)
+        next_operation = time.monotonic() + rng.uniform(*plan.operate_every)
         while time.monotonic() < load_end:
             now = time.monotonic()
+            if now >= next_operation:
+                operator.act()
+                next_operation = now + rng.uniform(*plan.operate_every)
             if result.restarts == 0 and now >= restart_at:
                 say("chaos: restarting PostgreSQL (pg_ctl restart -m fast)")
                 _record_fault(url, "INSERT INTO chaos_faults (kind) VALUES ('restart')", ())
@@ -335,6 +392,8 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                 break
             time.sleep(0.1)
 
+        operator.finish()
+        result.cancels, result.resumes = operator.cancels, operator.resumes
         say(f"chaos: load over after {time.monotonic() - began:.0f}s; stopping the starter")
         if starter.proc.poll() is None:
             _record_fault(

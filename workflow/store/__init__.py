@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from importlib import resources
 from typing import Any
 
+import attrs
 import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
@@ -33,15 +34,32 @@ from workflow.store.migrate import (
     migrate,
     schema_version,
 )
-from workflow.store.rows import ClaimedRun, StatusRow, TaskRow, claimed_runs
+from workflow.store.rows import (
+    ClaimedRun,
+    DetailRow,
+    DetailTaskRow,
+    EventRow,
+    ListedRow,
+    StatusRow,
+    TaskRow,
+    WorkflowStats,
+    claimed_runs,
+)
 
 __all__ = [
+    "CANCELS",
+    "CHANNEL",
     "SCHEMA_VERSION",
     "ClaimedRun",
+    "DetailRow",
+    "DetailTaskRow",
+    "EventRow",
+    "ListedRow",
     "SchemaOutdated",
     "StatusRow",
     "Store",
     "TaskRow",
+    "WorkflowStats",
     "bool_array",
     "check_schema",
     "current_database",
@@ -54,6 +72,9 @@ __all__ = [
 
 CHANNEL = "workflow_runs"
 """The LISTEN/NOTIFY channel of wake-ups; each payload is a workflow name."""
+
+CANCELS = "workflow_cancels"
+"""The LISTEN/NOTIFY channel of cancellations; each payload is a run id."""
 
 ERROR_CHARS = 4000
 """The most characters of an error text stored (the rest is cut, marked "(truncated)")."""
@@ -113,6 +134,9 @@ def _load_queries() -> dict[str, str]:
 
 
 _Q = _load_queries()
+
+
+_DETAIL_FIELDS = [field.name for field in attrs.fields(DetailRow)][:-1]  # all but tasks
 
 
 def _execute(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Rows:
@@ -397,16 +421,184 @@ class Store:
         rows = self._run("run_status", {"id": run_id})
         return StatusRow(*rows[0]) if rows else None
 
-    def run_input(self, run_id: uuid.UUID) -> tuple[str, Any, bytes | None] | None:
-        """A run's (workflow, plain input, sealed input), or None for an unknown id."""
+    def run_input(
+        self, run_id: uuid.UUID
+    ) -> tuple[str, Any, bytes | None, uuid.UUID | None] | None:
+        """A run's (workflow, plain input, sealed input, the run it was sealed for when
+        not itself), or None for an unknown id."""
         rows = self._run("run_input", {"id": run_id})
-        return (rows[0][0], rows[0][1], rows[0][2]) if rows else None
+        return (rows[0][0], rows[0][1], rows[0][2], rows[0][3]) if rows else None
+
+    def check_claims(
+        self, claims: Sequence[tuple[uuid.UUID, uuid.UUID]]
+    ) -> dict[uuid.UUID, tuple[bool, bool]]:
+        """For (run id, claim id) pairs: claim id -> (still held, its run was cancelled)."""
+        rows = self._run(
+            "check_claims",
+            {"runs": [run for run, _ in claims], "claims": [claim for _, claim in claims]},
+        )
+        return {row[0]: (bool(row[1]), bool(row[2])) for row in rows}
+
+    # Operating runs (workflow.Admin).
+
+    def cancel_run(
+        self, run_id: uuid.UUID, *, actor: str | None, reason: str | None
+    ) -> bool:
+        """Cancel the run unless it succeeded or is cancelled; True when this cancelled it.
+
+        Drops any claim in the same statement and tells the executing process
+        (`CANCELS`). A retry after a lost reply recognises its own cancel.
+        """
+        return bool(self.cancel_runs([run_id], actor=actor, reason=reason))
+
+    def resume_run(
+        self, run_id: uuid.UUID, *, actor: str | None, reason: str | None
+    ) -> bool:
+        """Make a parked (or cancelled, unfinished) run claimable now; True when this did."""
+        return bool(self.resume_runs([run_id], actor=actor, reason=reason))
+
+    def fork_run(
+        self,
+        run_id: uuid.UUID,
+        *,
+        from_seq: int,
+        current_seq: int,
+        actor: str | None,
+        reason: str | None,
+    ) -> uuid.UUID | None:
+        """A new run with `run_id`'s input and the outputs of its tasks before `from_seq`,
+        on task `current_seq`; its id, or None when `run_id` does not exist."""
+        new_id = uuid.uuid4()
+        rows = self._run(
+            "fork_run",
+            {
+                "id": run_id,
+                "new_id": new_id,
+                "from_seq": from_seq,
+                "current_seq": current_seq,
+                "event_ids": [uuid.uuid4()],
+                "actor": actor,
+                "reason": reason,
+                "channel": CHANNEL,
+            },
+            "admin_events",
+        )
+        return new_id if rows else None
+
+    def list_runs(
+        self,
+        *,
+        statuses: Sequence[str] | None,
+        workflow: str | None,
+        since: datetime.datetime | None,
+        until: datetime.datetime | None,
+        after: tuple[datetime.datetime, uuid.UUID] | None,
+        limit: int,
+    ) -> list[ListedRow]:
+        """Runs newest first, matching every filter given, after the keyset `after`."""
+        rows = self._run(
+            "list_runs",
+            {
+                "statuses": None if statuses is None else list(statuses),
+                "workflow": workflow,
+                "since": since,
+                "until": until,
+                "after_at": None if after is None else after[0],
+                "after_id": None if after is None else after[1],
+                "limit": limit,
+            },
+        )
+        return [ListedRow(*row) for row in rows]
+
+    def count_runs(
+        self,
+        *,
+        statuses: Sequence[str] | None,
+        workflow: str | None,
+        since: datetime.datetime | None,
+        until: datetime.datetime | None,
+    ) -> int:
+        """How many runs match every filter given."""
+        rows = self._run(
+            "count_runs",
+            {
+                "statuses": None if statuses is None else list(statuses),
+                "workflow": workflow,
+                "since": since,
+                "until": until,
+            },
+        )
+        return int(rows[0][0])
+
+    def cancel_runs(
+        self, run_ids: Sequence[uuid.UUID], *, actor: str | None, reason: str | None
+    ) -> list[uuid.UUID]:
+        """`cancel_run` for each of `run_ids` in one statement; those it cancelled.
+
+        Each run's history row carries an event id chosen here, so that a retry
+        after a lost reply finds exactly the runs the committed try changed.
+        """
+        return self._steer("cancel_runs", run_ids, actor, reason, {"cancels": CANCELS})
+
+    def resume_runs(
+        self, run_ids: Sequence[uuid.UUID], *, actor: str | None, reason: str | None
+    ) -> list[uuid.UUID]:
+        """`resume_run` for each of `run_ids` in one statement; those it resumed."""
+        return self._steer("resume_runs", run_ids, actor, reason, {"channel": CHANNEL})
+
+    def _steer(
+        self,
+        name: str,
+        run_ids: Sequence[uuid.UUID],
+        actor: str | None,
+        reason: str | None,
+        extra: dict[str, Any],
+    ) -> list[uuid.UUID]:
+        ids = list(dict.fromkeys(run_ids))
+        params = {
+            "ids": ids,
+            "event_ids": [uuid.uuid4() for _ in ids],
+            "actor": actor,
+            "reason": reason,
+            **extra,
+        }
+        return [row[0] for row in self._run(name, params, "admin_events")]
+
+    def run_detail(self, run_id: uuid.UUID) -> DetailRow | None:
+        """One run with its tasks, or None for an unknown id."""
+        rows = self._run("run_detail", {"id": run_id})
+        if not rows:
+            return None
+        first = rows[0]
+        head: dict[str, Any] = dict(zip(_DETAIL_FIELDS, first[:13], strict=True))
+        return DetailRow(**head, tasks=tuple(DetailTaskRow(*row[13:]) for row in rows))
+
+    def run_history(self, run_id: uuid.UUID) -> list[EventRow]:
+        """A run's history, oldest first."""
+        return [EventRow(*row) for row in self._run("run_history", {"id": run_id})]
+
+    def prune_runs(self, status: str, older_than: float, limit: int) -> int:
+        """Delete up to `limit` runs of `status` finished `older_than` seconds ago; how many."""
+        params = {"status": status, "older_than": older_than, "limit": limit}
+        return len(self._run("prune_runs", params))
+
+    def count_prunable(self, status: str, older_than: float) -> int:
+        """How many runs of `status` finished more than `older_than` seconds ago."""
+        rows = self._run("count_prunable", {"status": status, "older_than": older_than})
+        return int(rows[0][0])
+
+    def queue_stats(self, stale_after: float) -> list[WorkflowStats]:
+        """Per workflow: pending, running, claimable, oldest claimable age, stale claims
+        (heartbeat older than `stale_after` s), parked, finished in the last day."""
+        rows = self._run("queue_stats", {"stale_after": stale_after})
+        return [WorkflowStats(*row) for row in rows]
 
     # Wake-ups.
 
     def listen_connection(self, conninfo: str, **kwargs: Any) -> psycopg.Connection[Any]:
         """A new dedicated autocommit connection LISTENing on the wake-up channel."""
         conn = psycopg.connect(conninfo, autocommit=True, **kwargs)
+        conn.execute(_Q["listen_cancels"])
         conn.execute(_Q["listen"])
         return conn
 

@@ -58,11 +58,11 @@ WITH pick AS (
     SET claim_id = %(claim_id)s, heartbeat_at = now(), status = 'running', released_claim = NULL
     FROM pick WHERE r.id = pick.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
-              r.context_sealed, r.current_seq, r.created_at
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
-       t.failed_at
+       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY t.seq;
 
@@ -85,11 +85,11 @@ WITH pick AS (
         released_claim = NULL
     FROM numbered WHERE r.id = numbered.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
-              r.context_sealed, r.current_seq, r.created_at
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
-       t.failed_at
+       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
 
@@ -97,8 +97,8 @@ ORDER BY c.created_at, c.id, t.seq;
 -- name: claimed_runs
 -- The runs these claims hold, with their snapshots: what a claim whose reply was lost took.
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), t.seq, t.name, t.skipped, t.attempts, t.output IS NOT NULL, t.output,
-       t.failed_at
+       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       t.output IS NOT NULL, t.output, t.failed_at
 FROM workflow_runs c JOIN workflow_tasks t ON t.run_id = c.id
 WHERE c.claim_id = ANY(%(claims)s::uuid[])
 ORDER BY c.created_at, c.id, t.seq;
@@ -125,9 +125,12 @@ RETURNING t.seq;
 
 
 -- name: fail_task
--- Record a failed attempt: retry after `delay` seconds, under the claim or released for a poller (fenced).
--- The attempt count is absolute (the executor knows it under its claim), so a retry cannot count twice.
-WITH run AS (
+-- Record a failed attempt, and its history row: retry after `delay` seconds, under the claim or released for a poller (fenced).
+-- The attempt count is absolute (the executor knows it under its claim), so a retry cannot count twice; the history row
+-- is written only when the count moves (`before` is read before the update), so a retry writes none either.
+WITH before AS (
+    SELECT attempts FROM workflow_tasks WHERE run_id = %(id)s AND seq = %(seq)s
+), run AS (
     UPDATE workflow_runs
     SET claim_id = CASE WHEN %(keep_claim)s THEN claim_id END,
         heartbeat_at = CASE WHEN %(keep_claim)s THEN now() END,
@@ -135,31 +138,43 @@ WITH run AS (
         next_retry_at = now() + make_interval(secs => %(delay)s)
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id
+), task AS (
+    UPDATE workflow_tasks t
+    SET attempts = %(attempts)s, error = %(error)s, error_code = %(code)s, failed_at = now()
+    FROM run
+    WHERE t.run_id = run.id AND t.seq = %(seq)s
+    RETURNING t.run_id
+), history AS (
+    INSERT INTO workflow_events (run_id, kind, seq, attempt, error, error_code)
+    SELECT task.run_id, 'failed', %(seq)s, %(attempts)s, %(error)s, %(code)s
+    FROM task, before
+    WHERE before.attempts < %(attempts)s
 )
-UPDATE workflow_tasks t
-SET attempts = %(attempts)s, error = %(error)s, error_code = %(code)s, failed_at = now()
-FROM run
-WHERE t.run_id = run.id AND t.seq = %(seq)s
-RETURNING t.attempts;
+SELECT run_id FROM task;
 
 
 -- name: park_run
--- Park the run on its task `seq`, stopped for a person with the last error, its claim let go (fenced).
+-- Park the run on its task `seq`, stopped for a person with the last error, its claim let go, and its history row (fenced).
 WITH run AS (
     UPDATE workflow_runs
     SET status = 'parked', finished_at = now(), claim_id = NULL, heartbeat_at = NULL,
         released_claim = claim_id
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id
+), task AS (
+    UPDATE workflow_tasks t
+    SET attempts = %(attempts)s,
+        error = %(error)s,
+        error_code = %(code)s,
+        failed_at = CASE WHEN %(spent)s THEN now() ELSE t.failed_at END
+    FROM run
+    WHERE t.run_id = run.id AND t.seq = %(seq)s
+    RETURNING t.run_id
+), history AS (
+    INSERT INTO workflow_events (run_id, kind, seq, attempt, error, error_code)
+    SELECT run_id, 'parked', %(seq)s, %(attempts)s, %(error)s, %(code)s FROM task
 )
-UPDATE workflow_tasks t
-SET attempts = %(attempts)s,
-    error = %(error)s,
-    error_code = %(code)s,
-    failed_at = CASE WHEN %(spent)s THEN now() ELSE t.failed_at END
-FROM run
-WHERE t.run_id = run.id AND t.seq = %(seq)s
-RETURNING t.attempts;
+SELECT run_id FROM task;
 
 
 -- name: release_claim
@@ -208,7 +223,10 @@ WITH stale AS (
         error = 'the attempt was abandoned: its executor stopped heartbeating (crashed, or hung past its timeout)',
         error_code = NULL
     FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
-    RETURNING t.run_id
+    RETURNING t.run_id, t.seq, t.attempts, t.error
+), history AS (
+    INSERT INTO workflow_events (run_id, kind, seq, attempt, error)
+    SELECT run_id, 'swept', seq, attempts, error FROM bump
 )
 SELECT run.id, pg_notify(%(channel)s, run.workflow) FROM run;
 
@@ -223,8 +241,8 @@ WHERE r.id = %(id)s;
 
 
 -- name: run_input
--- A run's workflow name and stored input.
-SELECT workflow, input, input_sealed FROM workflow_runs WHERE id = %(id)s;
+-- A run's workflow name and stored input, and the run its sealed documents were sealed for.
+SELECT workflow, input, input_sealed, sealed_for FROM workflow_runs WHERE id = %(id)s;
 
 
 -- name: current_database
@@ -232,6 +250,197 @@ SELECT workflow, input, input_sealed FROM workflow_runs WHERE id = %(id)s;
 SELECT current_database();
 
 
+-- name: listen_cancels
+-- Subscribe this session to cancellations (the listener's own connection); store.CANCELS; payload a run id.
+LISTEN workflow_cancels;
+
+
 -- name: listen
 -- Subscribe this session to the wake-up channel (the listener's own connection); store.CHANNEL.
 LISTEN workflow_runs;
+
+
+-- name: check_claims
+-- Which of these claims are still held, and for a lost one whether its run was cancelled (the heartbeat, every second).
+SELECT c.claim_id, r.claim_id IS NOT DISTINCT FROM c.claim_id, r.status = 'cancelled'
+FROM unnest(%(runs)s::uuid[], %(claims)s::uuid[]) AS c (run_id, claim_id)
+LEFT JOIN workflow_runs r ON r.id = c.run_id;
+
+
+-- Operating runs (workflow.Admin). ---------------------------------------------------------
+
+
+-- name: cancel_runs
+-- Cancel each run of ids that is neither succeeded nor cancelled: finished now, its claim dropped (its executor's next write matches nothing), a history row under the event id paired with it, a notice to the executing process; the ids it cancelled.
+WITH wanted AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(event_ids)s::uuid[]) AS w(id, event_id)
+), run AS (
+    UPDATE workflow_runs r
+    SET status = 'cancelled', finished_at = now(), claim_id = NULL, heartbeat_at = NULL,
+        released_claim = NULL
+    FROM wanted
+    WHERE r.id = wanted.id AND r.status NOT IN ('succeeded', 'cancelled')
+    RETURNING r.id, wanted.event_id, r.current_seq, r.task_count
+), history AS (
+    INSERT INTO workflow_events (id, run_id, kind, seq, actor, reason)
+    SELECT event_id, id, 'cancelled', CASE WHEN current_seq <= task_count THEN current_seq END,
+           %(actor)s, %(reason)s
+    FROM run
+)
+SELECT id, pg_notify(%(cancels)s, id::text) FROM run;
+
+
+-- name: resume_runs
+-- Make each run of ids that is parked, or cancelled with tasks left, claimable now on the task it stopped on, with a fresh attempt budget; a history row under the event id paired with it; a wake-up; the ids it resumed.
+WITH wanted AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(event_ids)s::uuid[]) AS w(id, event_id)
+), run AS (
+    UPDATE workflow_runs r
+    SET status = 'running', finished_at = NULL, next_retry_at = now(), released_claim = NULL
+    FROM wanted
+    WHERE r.id = wanted.id AND r.claim_id IS NULL
+      AND (r.status = 'parked' OR (r.status = 'cancelled' AND r.current_seq <= r.task_count))
+    RETURNING r.id, wanted.event_id, r.workflow, r.current_seq
+), task AS (
+    UPDATE workflow_tasks t SET attempts = 0
+    FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
+    RETURNING t.run_id
+), history AS (
+    INSERT INTO workflow_events (id, run_id, kind, seq, actor, reason)
+    SELECT event_id, id, 'resumed', current_seq, %(actor)s, %(reason)s FROM run
+)
+SELECT run.id, pg_notify(%(channel)s, run.workflow) FROM run;
+
+
+-- name: fork_run
+-- Start a new run of the same workflow and stored input with the outputs of the tasks before `from_seq`, recording forked_from, and the original's history row; a wake-up.
+WITH src AS (
+    SELECT id, workflow, input, input_sealed, context, context_sealed, task_count, sealed_for
+    FROM workflow_runs WHERE id = %(id)s
+), new AS (
+    INSERT INTO workflow_runs (id, workflow, status, input, input_sealed, context, context_sealed,
+                               task_count, current_seq, forked_from, sealed_for)
+    SELECT %(new_id)s, workflow, 'pending', input, input_sealed, context, context_sealed,
+           task_count, %(current_seq)s, id,
+           CASE WHEN input_sealed IS NULL AND context_sealed IS NULL THEN NULL
+                ELSE coalesce(sealed_for, id) END
+    FROM src
+    RETURNING id, workflow
+), tasks AS (
+    INSERT INTO workflow_tasks (run_id, seq, name, skipped, output, finished_at)
+    SELECT %(new_id)s, t.seq, t.name, t.skipped,
+           CASE WHEN t.seq < %(from_seq)s THEN t.output END,
+           CASE WHEN t.seq < %(from_seq)s OR (t.skipped AND t.seq < %(current_seq)s)
+                THEN coalesce(t.finished_at, now()) END
+    FROM workflow_tasks t, new
+    WHERE t.run_id = %(id)s
+), history AS (
+    INSERT INTO workflow_events (id, run_id, kind, seq, actor, reason, other_run)
+    SELECT (%(event_ids)s::uuid[])[1], src.id, 'forked', %(from_seq)s, %(actor)s, %(reason)s, new.id
+    FROM src, new
+)
+SELECT new.id, pg_notify(%(channel)s, new.workflow) FROM new;
+
+
+-- name: admin_events
+-- The runs an operator's action recorded under these event ids: what a retried action whose reply was lost finds.
+SELECT run_id FROM workflow_events WHERE id = ANY(%(event_ids)s::uuid[]);
+
+
+-- name: list_runs
+-- Runs newest first, filtered, from after the (created_at, id) of the previous page; with the task each is on and its failure.
+SELECT r.id, r.workflow, r.status, r.created_at, r.finished_at, r.idempotency_key,
+       CASE WHEN r.current_seq <= r.task_count THEN t.name END,
+       t.error, t.error_code, t.attempts
+FROM workflow_runs r
+LEFT JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = r.current_seq
+WHERE (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR r.workflow = %(workflow)s)
+  AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s)
+  AND (%(after_at)s::timestamptz IS NULL OR (r.created_at, r.id) < (%(after_at)s, %(after_id)s::uuid))
+ORDER BY r.created_at DESC, r.id DESC
+LIMIT %(limit)s;
+
+
+-- name: run_detail
+-- One run with its stored input, where it came from, and every task of its snapshot.
+SELECT r.id, r.workflow, r.status, r.created_at, r.finished_at, r.idempotency_key, r.current_seq,
+       r.task_count, r.input, r.input_sealed IS NOT NULL, r.forked_from, r.claim_id IS NOT NULL,
+       r.next_retry_at, t.seq, t.name, t.skipped, t.attempts, t.error, t.error_code, t.finished_at
+FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id
+WHERE r.id = %(id)s
+ORDER BY t.seq;
+
+
+-- name: run_history
+-- A run's history, oldest first.
+SELECT at, kind, seq, attempt, error, error_code, actor, reason, other_run
+FROM workflow_events WHERE run_id = %(id)s ORDER BY at, id;
+
+
+-- name: prune_runs
+-- Delete up to `limit` runs of `status` finished more than `older_than` seconds ago, oldest first, with their tasks and history (cascade); skips rows others hold.
+WITH doomed AS (
+    SELECT id FROM workflow_runs
+    WHERE status = %(status)s AND finished_at IS NOT NULL
+      AND finished_at < now() - make_interval(secs => %(older_than)s)
+    ORDER BY finished_at
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM workflow_runs WHERE id = ANY(ARRAY(SELECT id FROM doomed)) RETURNING id;
+
+
+-- name: count_prunable
+-- How many runs of `status` finished more than `older_than` seconds ago (a prune's dry run).
+SELECT count(*) FROM workflow_runs
+WHERE status = %(status)s AND finished_at IS NOT NULL
+  AND finished_at < now() - make_interval(secs => %(older_than)s);
+
+
+-- name: queue_stats
+-- Per workflow: runs pending and running, claimable now, the oldest claimable's age (s), stale claims, parked, and finished in the last day.
+WITH open AS (
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at
+    FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
+    UNION ALL
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at
+    FROM workflow_runs WHERE claim_id IS NOT NULL
+), finished AS (
+    SELECT workflow, status FROM workflow_runs
+    WHERE finished_at IS NOT NULL AND status = 'parked'
+    UNION ALL
+    SELECT workflow, status FROM workflow_runs
+    WHERE finished_at IS NOT NULL AND status IN ('succeeded', 'cancelled')
+      AND finished_at >= now() - interval '1 day'
+), per AS (
+    SELECT workflow,
+           count(*) FILTER (WHERE status = 'pending') AS pending,
+           count(*) FILTER (WHERE status = 'running') AS running,
+           count(*) FILTER (WHERE claim_id IS NULL AND next_retry_at <= now()) AS claimable,
+           extract(epoch FROM now() - min(greatest(created_at, next_retry_at))
+                   FILTER (WHERE claim_id IS NULL AND next_retry_at <= now()))::float8 AS oldest,
+           count(*) FILTER (WHERE claim_id IS NOT NULL
+                            AND heartbeat_at < now() - make_interval(secs => %(stale_after)s)) AS stale,
+           0 AS parked, 0 AS succeeded, 0 AS cancelled
+    FROM open GROUP BY workflow
+    UNION ALL
+    SELECT workflow, 0, 0, 0, NULL::float8, 0,
+           count(*) FILTER (WHERE status = 'parked'),
+           count(*) FILTER (WHERE status = 'succeeded'),
+           count(*) FILTER (WHERE status = 'cancelled')
+    FROM finished GROUP BY workflow
+)
+SELECT workflow, sum(pending)::bigint, sum(running)::bigint, sum(claimable)::bigint, max(oldest),
+       sum(stale)::bigint, sum(parked)::bigint, sum(succeeded)::bigint, sum(cancelled)::bigint
+FROM per GROUP BY workflow ORDER BY workflow;
+
+
+-- name: count_runs
+-- How many runs match the filters of list_runs (a bulk action's dry run).
+SELECT count(*) FROM workflow_runs r
+WHERE (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))
+  AND (%(workflow)s::text IS NULL OR r.workflow = %(workflow)s)
+  AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s)
+  AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s);

@@ -28,7 +28,8 @@ class ClaimedRun:
     """A run this process now holds a claim on, with its whole task snapshot.
 
     `db_now` is the database clock at the claim (None for a run inserted already
-    claimed by the fast path, which has no failure to wait out).
+    claimed by the fast path, which has no failure to wait out). `sealed_for` is
+    the run its sealed documents were sealed for, when not this one (a fork).
     """
 
     id: uuid.UUID
@@ -41,6 +42,7 @@ class ClaimedRun:
     current_seq: int
     db_now: datetime.datetime | None
     tasks: tuple[TaskRow, ...]
+    sealed_for: uuid.UUID | None = None
 
 
 @attrs.frozen
@@ -63,7 +65,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     runs: list[ClaimedRun] = []
     tasks: list[TaskRow] = []
     for i, row in enumerate(rows):
-        tasks.append(TaskRow(*row[9:]))
+        tasks.append(TaskRow(*row[10:]))
         if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
             runs.append(
                 ClaimedRun(
@@ -76,8 +78,90 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
                     context_sealed=row[6],
                     current_seq=row[7],
                     db_now=row[8],
+                    sealed_for=row[9],
                     tasks=tuple(tasks),
                 )
             )
             tasks = []
     return runs
+
+
+@attrs.frozen
+class ListedRow:
+    """One run as `list_runs` reads it (task fields: the task it is on, None when done)."""
+
+    id: uuid.UUID
+    workflow: str
+    status: str
+    created_at: datetime.datetime
+    finished_at: datetime.datetime | None
+    idempotency_key: str | None
+    task: str | None
+    error: str | None
+    error_code: str | None
+    attempts: int | None
+
+
+@attrs.frozen
+class DetailTaskRow:
+    """One task of a run as `run_detail` reads it."""
+
+    seq: int
+    name: str
+    skipped: bool
+    attempts: int
+    error: str | None
+    error_code: str | None
+    finished_at: datetime.datetime | None
+
+
+@attrs.frozen
+class DetailRow:
+    """One run as `run_detail` reads it, with every task of its snapshot."""
+
+    id: uuid.UUID
+    workflow: str
+    status: str
+    created_at: datetime.datetime
+    finished_at: datetime.datetime | None
+    idempotency_key: str | None
+    current_seq: int
+    task_count: int
+    input: Any
+    sealed: bool
+    forked_from: uuid.UUID | None
+    claimed: bool
+    next_retry_at: datetime.datetime
+    tasks: tuple[DetailTaskRow, ...]
+
+
+@attrs.frozen
+class EventRow:
+    """One row of a run's history."""
+
+    at: datetime.datetime
+    kind: str
+    seq: int | None
+    attempt: int | None
+    error: str | None
+    error_code: str | None
+    actor: str | None
+    reason: str | None
+    other_run: uuid.UUID | None
+
+
+@attrs.frozen
+class WorkflowStats:
+    """One workflow's queue: unfinished runs by status, those claimable now and the
+    oldest one's age in seconds, stale claims, parked runs, and runs finished in the
+    last day (`Admin.stats`)."""
+
+    workflow: str
+    pending: int
+    running: int
+    claimable: int
+    oldest_claimable_seconds: float | None
+    stale_claims: int
+    parked: int
+    succeeded_last_day: int
+    cancelled_last_day: int
