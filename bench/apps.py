@@ -4,6 +4,8 @@
 - `Bench.Three`: three no-op tasks, strictly in order.
 - `Bench.Pickup`: one task whose first line stamps `time.time()` and records it as
   its output, so the bench can measure commit-to-handler pickup latency.
+- `Bench.Order`: what users run: an attrs input and three tasks, each returning a
+  small attrs output (or text) that the next task reads (`order_registry()`).
 
 No-op tasks are declared without an output type: they record nothing, like the
 null engine's `output = NULL`.
@@ -60,3 +62,57 @@ def factory() -> workflow.Registry:
 
 
 WORKFLOWS = {1: One, 3: Three}
+
+
+@attrs.frozen
+class Order:
+    order_id: int
+    cents: int
+
+
+@attrs.frozen
+class Hold:
+    ref: str
+    cents: int
+
+
+@attrs.frozen
+class Charge:
+    ref: str
+    captured: int
+
+
+OrderFlow = workflow.Workflow("Bench.Order", Order)
+reserve = workflow.Task("reserve", Hold)
+charge = workflow.Task("charge", Charge)
+receipt = workflow.Task("receipt", str)
+
+
+def _reserve(run: workflow.TaskRun[Order]) -> Hold:
+    return Hold(ref=f"hold-{run.input.order_id}", cents=run.input.cents)
+
+
+def _charge(run: workflow.TaskRun[Order]) -> Charge:
+    hold = run.output(reserve)
+    return Charge(ref=hold.ref.replace("hold", "charge"), captured=hold.cents)
+
+
+def _receipt(run: workflow.TaskRun[Order]) -> str:
+    paid = run.output(charge)
+    return f"{paid.ref}: {paid.captured} cents"
+
+
+def order_steps() -> tuple[workflow.Step[Order], ...]:
+    """`Bench.Order`'s three steps, for a registry of one's own."""
+    return (
+        workflow.handle(reserve, _reserve),
+        workflow.handle(charge, _charge),
+        workflow.handle(receipt, _receipt),
+    )
+
+
+def order_registry() -> workflow.Registry:
+    """A fresh registry with `Bench.Order`."""
+    reg = workflow.Registry()
+    reg.register(workflow.define(OrderFlow, *order_steps()))
+    return reg

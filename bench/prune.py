@@ -29,10 +29,10 @@ import time
 import uuid
 from typing import Any
 
-import attrs
 import psycopg
 
 import workflow
+from bench.apps import Order, OrderFlow, _reserve, order_steps, reserve
 from bench.common import emit, latency_summary, log, scratch_db
 from workflow.store import _Q
 
@@ -58,55 +58,12 @@ FROM r WHERE ('x' || substr(r.id::text, 1, 8))::bit(32)::int %% 10 = 0
 """
 
 
-@attrs.frozen
-class Order:
-    order_id: int
-    cents: int
-
-
-@attrs.frozen
-class Hold:
-    ref: str
-    cents: int
-
-
-@attrs.frozen
-class Charge:
-    ref: str
-    captured: int
-
-
-Flow = workflow.Workflow("Bench.Order", Order)
 Probe = workflow.Workflow("Bench.Probe", Order)
-reserve = workflow.Task("reserve", Hold)
-charge = workflow.Task("charge", Charge)
-receipt = workflow.Task("receipt", str)
-
-
-def _reserve(run: workflow.TaskRun[Order]) -> Hold:
-    return Hold(ref=f"hold-{run.input.order_id}", cents=run.input.cents)
-
-
-def _charge(run: workflow.TaskRun[Order]) -> Charge:
-    hold = run.output(reserve)
-    return Charge(ref=hold.ref.replace("hold", "charge"), captured=hold.cents)
-
-
-def _receipt(run: workflow.TaskRun[Order]) -> str:
-    paid = run.output(charge)
-    return f"{paid.ref}: {paid.captured} cents"
 
 
 def registry() -> workflow.Registry:
     reg = workflow.Registry()
-    reg.register(
-        workflow.define(
-            Flow,
-            workflow.handle(reserve, _reserve),
-            workflow.handle(charge, _charge),
-            workflow.handle(receipt, _receipt),
-        )
-    )
+    reg.register(workflow.define(OrderFlow, *order_steps()))
     reg.register(workflow.define(Probe, workflow.handle(reserve, _reserve)))
     return reg
 
@@ -165,7 +122,7 @@ def fast_path(mgr: workflow.Manager, stop: threading.Event, out: Samples) -> Non
     while not stop.is_set():
         n += 1
         t0 = time.perf_counter()
-        run = Flow.start(mgr, Order(order_id=n, cents=100 + n % 900))
+        run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
         if run.wait(timeout=60) is not workflow.Status.SUCCEEDED:
             raise RuntimeError(f"run {run.id} did not succeed")
         out.points.append((t0, time.perf_counter() - t0))

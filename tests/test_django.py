@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -141,6 +142,14 @@ def test_the_row_and_the_run_commit_or_roll_back_together(
             "SELECT count(*) FROM workflow_runs WHERE id = %s", (rolled_back,)
         ).fetchone() == (0,)
         assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
+    # WORKFLOW["ON_MANAGER"] instrumented the server's manager: its /metrics counts the
+    # run it finished, and both starts (the rolled-back one at its insert).
+    with urllib.request.urlopen(f"{base}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    assert 'pgworkflow_runs_finished_total{status="succeeded",workflow="Transfer.Send"} 1.0' in (
+        page
+    ), page
+    assert 'pgworkflow_runs_started_total{workflow="Transfer.Send"} 2.0' in page, page
     assert "Traceback" not in server.output, server.output
 
 

@@ -71,7 +71,7 @@ def test_a_two_task_run_that_fails_once_announces_each_step_in_order(
     mgr.events.subscribe(heard)
     run = wf.start(mgr, Inp(1))
     assert run.wait(timeout=20) is Status.SUCCEEDED
-    wait_until(lambda: "RunFinished:succeeded" in heard.kinds(), "the run's end to be heard")
+    wait_until(lambda: "ExecutionEnded" in heard.kinds(), "the run's end to be heard")
     assert heard.kinds(run.id) == [
         "RunStarted",
         "RunClaimed",
@@ -82,6 +82,7 @@ def test_a_two_task_run_that_fails_once_announces_each_step_in_order(
         "AttemptBegan",
         "AttemptEnded:succeeded",
         "RunFinished:succeeded",
+        "ExecutionEnded",
     ]
     began = [e for e in heard.events if isinstance(e, AttemptBegan)]
     assert [(e.task, e.seq, e.attempt) for e in began] == [("a", 1, 1), ("a", 1, 2), ("b", 2, 1)]
@@ -109,7 +110,7 @@ def test_a_park_and_a_timeout_are_announced(make_manager: Any) -> None:
     mgr.events.subscribe(heard)
     run = wf.start(mgr, Inp(1))
     assert run.wait(timeout=20) is Status.PARKED
-    wait_until(lambda: "RunFinished:parked" in heard.kinds(), "the park to be heard")
+    wait_until(lambda: "ExecutionEnded" in heard.kinds(), "the park to be heard")
     assert heard.kinds(run.id) == [
         "RunStarted",
         "RunClaimed",
@@ -118,6 +119,7 @@ def test_a_park_and_a_timeout_are_announced(make_manager: Any) -> None:
         "AttemptBegan",
         "AttemptEnded:failed",
         "RunFinished:parked",
+        "ExecutionEnded",
     ]
 
 
@@ -137,10 +139,36 @@ def test_a_lost_claim_is_announced(make_manager: Any, db: psycopg.Connection[Any
     assert entered.wait(10)
     db.execute("UPDATE workflow_runs SET claim_id = gen_random_uuid() WHERE id = %s", (run.id,))
     go_on.set()
-    wait_until(lambda: "ClaimLost" in heard.kinds(), "the lost claim to be heard")
+    wait_until(lambda: "ExecutionEnded" in heard.kinds(), "the lost claim to be heard")
     lost = [e for e in heard.events if isinstance(e, ClaimLost)]
     assert str(lost[0].run_id) == run.id
     assert not any(isinstance(e, RunFinished) for e in heard.events)
+    (ended,) = [e for e in heard.events if isinstance(e, AttemptEnded)]
+    assert ended.outcome is Outcome.ABANDONED and ended.claim_lost, (
+        "a lost claim's attempt is the sweeper's to count"
+    )
+
+
+def test_a_cancel_is_announced_by_the_execution_it_stops(make_manager: Any, db_url: str) -> None:
+    entered = threading.Event()
+
+    def waits(run: workflow.TaskRun[Inp]) -> Out:
+        entered.set()
+        run.cancelled.wait(10)
+        return Out("late")
+
+    reg, wf = registry(workflow.handle(A, waits))
+    mgr = make_manager(reg)
+    heard = Heard()
+    mgr.events.subscribe(heard)
+    run = wf.start(mgr, Inp(1))
+    assert entered.wait(10)
+    with workflow.Admin(db_url) as admin:
+        admin.cancel(run.id)
+    wait_until(lambda: "ExecutionEnded" in heard.kinds(), "the cancel to be heard")
+    assert heard.kinds(run.id)[-3:] == [
+        "AttemptEnded:cancelled", "RunFinished:cancelled", "ExecutionEnded"
+    ]
 
 
 def test_a_sweep_is_announced(make_manager: Any, db: psycopg.Connection[Any]) -> None:
@@ -159,6 +187,9 @@ def test_a_sweep_is_announced(make_manager: Any, db: psycopg.Connection[Any]) ->
     assert sweeper is not None and sweeper.sweep() == 1
     (swept,) = [e for e in heard.events if isinstance(e, ClaimsSwept)]
     assert [str(r) for r in swept.run_ids] == [run.id]
+    assert [(str(a.run_id), a.workflow, a.task, a.seq, a.attempts) for a in swept.attempts] == [
+        (run.id, "W", "a", 1, 1)
+    ]
 
 
 def test_a_subscriber_that_raises_is_logged_and_changes_nothing(
@@ -180,13 +211,14 @@ def test_unsubscribing_stops_the_events_and_nothing_is_built_without_subscribers
     make_manager: Any,
 ) -> None:
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
-    mgr = make_manager(reg)
+    # Tracing, on by default when opentelemetry-api is installed, is a subscriber.
+    mgr = make_manager(reg, config=workflow.Config(tracing=False))
     assert not mgr.events.active
     heard = Heard()
     unsubscribe = mgr.events.subscribe(heard)
     assert mgr.events.active
     assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.SUCCEEDED
-    wait_until(lambda: "RunFinished:succeeded" in heard.kinds(), "the first run's end")
+    wait_until(lambda: "ExecutionEnded" in heard.kinds(), "the first run's end")
     unsubscribe()
     assert not mgr.events.active
     count = len(heard.events)

@@ -11,8 +11,10 @@ this fails here instead of slowing production down.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -233,4 +235,76 @@ def test_queue_stats_read_only_unfinished_parked_and_recent_runs(
     assert _uses_index(scans, "workflow_runs_claimable"), scans
     assert _uses_index(scans, "workflow_runs_claimed"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_the_metrics_gauges_read_only_open_and_parked_runs(
+    plan_db: psycopg.Connection[Any],
+) -> None:
+    """SPEC 13: the scrape's one query reads the partial indexes, never the history."""
+    scans = _scans(_plan(plan_db, "queue_gauges", {"stale_after": 600.0}))
+    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_finished"), scans
+    _assert_no_seq_scan(scans)
+
+
+MILLION = 1_000_000
+
+
+def readme_keda_query() -> str:
+    """The KEDA scaler query as the README gives it (between its marker comments)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+    match = re.search(r"-- keda: claimable backlog\n(.*?);", readme, flags=re.S)
+    assert match is not None, "the README's KEDA query (marked `-- keda: claimable backlog`)"
+    return match.group(1)
+
+
+@pytest.fixture(scope="module")
+def million_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
+    """A migrated database with a million finished runs (no tasks: the query reads runs
+    only) and a few open ones, analysed."""
+    name = create_database(pg_url, template_db)
+    try:
+        with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at, finished_at)
+                SELECT gen_random_uuid(),
+                       (ARRAY['Transfer.Send', 'Invoice.Send'])[1 + i %% 2],
+                       'succeeded', '{}'::jsonb, 3, 4,
+                       now() - interval '60 days' + i * interval '1 second',
+                       now() - interval '60 days' + i * interval '1 second',
+                       now() - interval '60 days' + i * interval '2 second'
+                FROM generate_series(1, %(n)s) AS i
+                """,
+                {"n": MILLION},
+            )
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 3, 1,
+                       now() + (i - 5) * interval '1 minute'
+                FROM generate_series(1, 10) AS i
+                """
+            )
+            conn.execute("ANALYZE workflow_runs")
+            yield conn
+    finally:
+        drop_database(pg_url, name)
+
+
+@pytest.mark.slow
+def test_the_readme_keda_query_is_an_index_scan_with_a_million_finished_runs(
+    million_db: psycopg.Connection[Any],
+) -> None:
+    query = readme_keda_query()
+    row = million_db.execute(query).fetchone()
+    assert row is not None and row[0] == 5, "due now or earlier: 5 of the 10 open runs"
+    explained = million_db.execute("EXPLAIN (FORMAT JSON) " + query).fetchone()
+    assert explained is not None
+    scans = _scans(explained[0][0]["Plan"])
+    assert _uses_index(scans, "workflow_runs_claimable"), scans
     _assert_no_seq_scan(scans)

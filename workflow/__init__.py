@@ -9,6 +9,7 @@ migrations and the only SQL.
 from workflow.admin import (
     Admin,
     HistoryEntry,
+    QueueDepth,
     QueueStats,
     RunDetail,
     RunPage,
@@ -66,6 +67,7 @@ __all__ = [
     "Permanent",
     "Propagation",
     "Propagator",
+    "QueueDepth",
     "QueueStats",
     "RegistrationError",
     "Registry",

@@ -29,13 +29,21 @@ from psycopg_pool import ConnectionPool
 from workflow.durations import Duration, seconds
 from workflow.errors import NotResumable, RunNotFound, WorkflowError
 from workflow.run import Failure, RunStatus, Status
-from workflow.store import DetailRow, ListedRow, Store, WorkflowStats, check_schema
+from workflow.store import (
+    DetailRow,
+    ListedRow,
+    QueueDepth,
+    Store,
+    WorkflowStats,
+    check_schema,
+)
 from workflow.store.connections import connect_explained, make_pool, normalize_url
 from workflow.waiting import read_status, run_status
 
 __all__ = [
     "Admin",
     "HistoryEntry",
+    "QueueDepth",
     "QueueStats",
     "RunDetail",
     "RunPage",
@@ -372,6 +380,13 @@ class Admin:
             workflows=tuple(self._store.queue_stats(self._stale_after)),
             stale_after=self._stale_after,
         )
+
+    def depth(self) -> tuple[QueueDepth, ...]:
+        """Per workflow and status, the runs not finished and the parked ones, with how
+        many are claimable now, the oldest claimable's age and the stale claims: the
+        numbers a metrics scrape reads, in one query over partial indexes only (its
+        cost follows the open runs, never the finished history)."""
+        return tuple(self._store.queue_gauges(self._stale_after))
 
     # Steering runs.
 

@@ -78,8 +78,10 @@ class Config:
 
     `default_task_timeout` 60 s, `default_max_attempts` 8, `backoff_base` 1 s,
     `backoff_max` 300 s, `max_in_process_backoff` 5 s, `sweep_max_age` 600 s,
-    `max_local_runs` 64, `context` (from `workflow.propagate`) and `cipher` None.
-    Raises `ConfigError` for a value that is not a positive duration or count.
+    `max_local_runs` 64, `context` (from `workflow.propagate`) and `cipher` None,
+    `tracing` True (OpenTelemetry spans and a stored span context when
+    opentelemetry-api is installed; False turns both off). Raises `ConfigError`
+    for a value that is not a positive duration or count.
     """
 
     default_task_timeout: Duration | None = attrs.field(
@@ -95,6 +97,7 @@ class Config:
     max_local_runs: int | None = attrs.field(default=None, metadata=_option(64, "count"))
     context: Propagation[Any] | None = None
     cipher: Cipher | None = None
+    tracing: bool | None = attrs.field(default=None, metadata=_option(True, "flag"))
 
     def __attrs_post_init__(self) -> None:
         _check(self)
@@ -127,6 +130,7 @@ class Settings:
     max_in_process_backoff: float
     sweep_max_age: float
     max_local_runs: int
+    tracing: bool
 
     @classmethod
     def of(cls, config: Config) -> Settings:

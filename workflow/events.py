@@ -5,7 +5,9 @@ manager's `Events`; metrics, traces and the run history subscribe there rather
 than reaching into the engine. A subscriber is called on the thread where the
 event happened, right after it happened (so an attempt's `AttemptBegan` and
 `AttemptEnded` arrive on the handler's own thread, around its call); it must be
-quick and must not block. An exception it raises is logged and dropped: it
+quick and must not block, and must treat the event as read-only (the classes are
+not frozen only because a frozen attrs instance costs four times as much to
+build, on the fast path). An exception it raises is logged and dropped: it
 never changes what the engine does. With no subscriber nothing is built:
 announcing costs one attribute check.
 """
@@ -38,7 +40,7 @@ class Outcome(str, enum.Enum):
     """The run was cancelled while it ran; not counted."""
 
 
-@attrs.frozen
+@attrs.define
 class RunStarted:
     """A run was inserted (by `start`, or by `start_tx` in a transaction not committed yet)."""
 
@@ -46,15 +48,25 @@ class RunStarted:
     workflow: str
 
 
-@attrs.frozen
+@attrs.define
 class RunClaimed:
-    """An execution began on a run this process claimed (on the fast path or by a poller)."""
+    """An execution began on a run this process claimed (on the fast path or by a poller).
+
+    `fast`: claimed by its own `start` on the fast path. `waited`: how long the
+    run had been claimable when a poller (or a kick) claimed it, by the database
+    clock (None on the fast path). `traceparent`, `tracestate`: the span context
+    stored at its start (W3C trace-context headers), when there is one.
+    """
 
     run_id: uuid.UUID
     workflow: str
+    fast: bool = False
+    waited: float | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
-@attrs.frozen
+@attrs.define
 class AttemptBegan:
     """A handler is about to be called."""
 
@@ -65,9 +77,13 @@ class AttemptBegan:
     attempt: int
 
 
-@attrs.frozen
+@attrs.define
 class AttemptEnded:
-    """A handler's attempt ended, and how; `error` is what it raised (None on success)."""
+    """A handler's attempt ended, and how; `error` is what it raised (None on success).
+
+    `claim_lost`: it ended ABANDONED because its claim was taken (a sweeper
+    released it): the sweeper's `ClaimsSwept` is what counts that attempt.
+    """
 
     run_id: uuid.UUID
     workflow: str
@@ -77,18 +93,22 @@ class AttemptEnded:
     outcome: Outcome
     seconds: float
     error: BaseException | None = None
+    claim_lost: bool = False
 
 
-@attrs.frozen
+@attrs.define
 class RunFinished:
-    """This process wrote a run's terminal status."""
+    """A run this process executed or started reached a terminal status here:
+    SUCCEEDED or PARKED written by it, or CANCELLED seen by the execution the
+    cancel stopped. (A run cancelled while no process executes it is announced
+    nowhere: the `Admin` that cancelled it has no events.)"""
 
     run_id: uuid.UUID
     workflow: str
     status: Status
 
 
-@attrs.frozen
+@attrs.define
 class ClaimLost:
     """A fenced write matched nothing: another executor owns the run; this one stopped."""
 
@@ -96,11 +116,35 @@ class ClaimLost:
     workflow: str
 
 
-@attrs.frozen
+@attrs.define
+class ExecutionEnded:
+    """An execution of a run in this process ended, however: finished, parked,
+    released for a retry or a shutdown, cancelled, or its claim lost. The last event
+    of an execution, on its thread."""
+
+    run_id: uuid.UUID
+    workflow: str
+
+
+@attrs.define
+class SweptAttempt:
+    """The abandoned attempt a sweep counted: its run, workflow, task, seq, and the
+    task's attempt count with it."""
+
+    run_id: uuid.UUID
+    workflow: str
+    task: str
+    seq: int
+    attempts: int
+
+
+@attrs.define
 class ClaimsSwept:
-    """A sweeper released these runs' stale claims, counting an abandoned attempt each."""
+    """A sweeper released these runs' stale claims, counting an abandoned attempt each
+    (`attempts`: which)."""
 
     run_ids: tuple[uuid.UUID, ...]
+    attempts: tuple[SweptAttempt, ...] = ()
 
 
 Event = (
@@ -109,6 +153,7 @@ Event = (
     | AttemptBegan
     | AttemptEnded
     | RunFinished
+    | ExecutionEnded
     | ClaimLost
     | ClaimsSwept
 )

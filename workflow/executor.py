@@ -52,6 +52,7 @@ from workflow.events import (
     AttemptEnded,
     ClaimLost,
     Events,
+    ExecutionEnded,
     Outcome,
     RunClaimed,
     RunFinished,
@@ -167,7 +168,12 @@ class Executor:
         _executing.current = (self, run.id)
         try:
             if self.events.active:
-                self.events.emit(RunClaimed(run.id, run.workflow))
+                self.events.emit(
+                    RunClaimed(
+                        run.id, run.workflow, run.db_now is None, run.waited,
+                        run.traceparent, run.tracestate,
+                    )
+                )
             execution.run()
         except _Stop:
             pass
@@ -176,6 +182,10 @@ class Executor:
         finally:
             _executing.current = outer
             self.heartbeat.remove(claim)
+            if self.events.active:
+                if claim.reason == CANCELLED:
+                    self.events.emit(RunFinished(run.id, run.workflow, Status.CANCELLED))
+                self.events.emit(ExecutionEnded(run.id, run.workflow))
             try:
                 self.on_end(run.id, execution.outcome)
             finally:
@@ -493,6 +503,7 @@ class _Execution:
             AttemptEnded(
                 self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
                 ran.row.attempts + 1, outcome, time.monotonic() - ran.began, error,
+                claim_lost=self.claim.reason == LOST,
             )
         )
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import psycopg
 from psycopg_pool import ConnectionPool
 
-from workflow import codec
+from workflow import codec, tracing
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.definition import Registry, Workflow
 from workflow.durations import Duration, seconds
@@ -125,6 +125,8 @@ class Manager:
                 f"not {type(db).__name__}"
             )
         self._events = Events(log)
+        tracing_on = settings.tracing and tracing.available
+        self._tracing = tracing.Tracing(self._events) if tracing_on else None
         self._heartbeat = Heartbeat(self._store, settings.heartbeat_interval, log)
         self._endings = Endings()
         self._executor = Executor(
@@ -142,7 +144,8 @@ class Manager:
             self._executor, self._endings, settings.max_local_runs, self._fork
         )
         self._starter = Starter(
-            registry, self._config, self._store, self._fastpath, self._events, database
+            registry, self._config, self._store, self._fastpath, self._events, database,
+            capture=tracing.capture if tracing_on else None,
         )
         self._runnables: weakref.WeakSet[Runnable] = weakref.WeakSet()
         self._heartbeat.start()
@@ -182,6 +185,12 @@ class Manager:
     def logger(self) -> logging.Logger:
         """The logger the engine writes to."""
         return self._logger
+
+    @property
+    def pool(self) -> ConnectionPool[Any]:
+        """The connection pool this manager works through (its own, or the one lent to
+        it): for `workflow.Admin(mgr.pool)` and instrumentation in the same process."""
+        return self._pool
 
     @property
     def events(self) -> Events:

@@ -11,6 +11,7 @@ fast path when there is room (inserted already claimed: no claim of its own).
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -19,9 +20,10 @@ from workflow import codec
 from workflow.config import Config
 from workflow.definition import Definition, Registry, Workflow
 from workflow.errors import EncodeError, WorkflowError
-from workflow.events import Events, RunStarted
+from workflow.events import Events, RunFinished, RunStarted
 from workflow.fastpath import FastPath
 from workflow.limits import MAX_KEY_BYTES, text_problem
+from workflow.run import Status
 from workflow.sealing import seal_document
 from workflow.store import (
     ClaimedRun,
@@ -83,8 +85,11 @@ class Starter:
         fastpath: FastPath,
         events: Events,
         database: tuple[str, str],
+        *,
+        capture: Callable[[], tuple[str | None, str | None]] | None = None,
     ) -> None:
         self._config = config
+        self._capture = capture
         self._store = store
         self._fastpath = fastpath
         self._events = events
@@ -148,6 +153,7 @@ class Starter:
         else:
             skipped, current, skipped_literal = None, 1, shape.no_skips
         all_skipped = current > len(steps)
+        traceparent, tracestate = (None, None) if self._capture is None else self._capture()
         fastpath = self._fastpath
         fast = conn is None and not all_skipped and fastpath.try_slot()
         claim_id = uuid.uuid4() if fast else None
@@ -168,6 +174,8 @@ class Starter:
                 names=shape.names,
                 skipped=skipped_literal,
                 wake=not fast and not all_skipped,
+                traceparent=traceparent,
+                tracestate=tracestate,
             )
         except psycopg.errors.LockNotAvailable as e:
             if fast:
@@ -194,6 +202,8 @@ class Starter:
             return existing, False
         if self._events.active:
             self._events.emit(RunStarted(run_id, wf.name))
+            if all_skipped:
+                self._events.emit(RunFinished(run_id, wf.name, Status.SUCCEEDED))
         if fast:
             assert claim_id is not None
             claimed = ClaimedRun(
@@ -207,6 +217,8 @@ class Starter:
                 current_seq=current,
                 db_now=None,
                 tasks=shape.tasks if skipped is None else shape.snapshot(skipped),
+                traceparent=traceparent,
+                tracestate=tracestate,
             )
             fastpath.launch(claimed, stored_input)
         return run_id, True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from workflow.events import ClaimsSwept
+from workflow.events import ClaimsSwept, SweptAttempt
 from workflow.executor import Executor
 from workflow.service import Service
 
@@ -33,16 +33,26 @@ class Sweeper(Service):
         max_age = executor.settings.sweep_max_age
         total = 0
         while True:
-            run_ids = executor.store.sweep(max_age, _BATCH)
-            for run_id in run_ids:
-                executor.log.for_run(run_id).warning(
+            swept = executor.store.sweep(max_age, _BATCH)
+            for row in swept:
+                executor.log.for_run(row.run_id).warning(
                     "released a stale claim (no heartbeat for %gs); the abandoned attempt counts",
                     max_age,
                 )
-            if run_ids and executor.events.active:
-                executor.events.emit(ClaimsSwept(tuple(run_ids)))
-            total += len(run_ids)
-            if len(run_ids) < _BATCH:
+            if swept and executor.events.active:
+                executor.events.emit(
+                    ClaimsSwept(
+                        tuple(row.run_id for row in swept),
+                        tuple(
+                            SweptAttempt(row.run_id, row.workflow, row.task, row.seq, row.attempts)
+                            for row in swept
+                            if row.task is not None and row.seq is not None
+                            and row.attempts is not None
+                        ),
+                    )
+                )
+            total += len(swept)
+            if len(swept) < _BATCH:
                 break
         if total:
             self._wake_poller()

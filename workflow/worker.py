@@ -3,6 +3,7 @@
     python -m workflow.worker --app PACKAGE.MODULE:FACTORY [--database-url URL]
         [--concurrency N] [--batch-size N] [--poll-interval S] [--no-sweep]
         [--sweep-interval S] [--no-listen] [--log-level LEVEL]
+        [--metrics-port PORT [--metrics-host HOST]]
 
 `FACTORY` is a callable returning a `workflow.Registry` or a `workflow.App`
 (registry, config, logger), or such an object itself (`workflow.app.load_app`).
@@ -16,6 +17,11 @@ error, a bad `--app` included (no such module or attribute, or a factory that
 returns something else); 1 for the rest (the application's import or factory
 raising, an unreachable database, an outdated schema). Each failure is exactly
 one line on stderr, no traceback.
+
+`--metrics-port` serves Prometheus metrics (`workflow.metrics`, the `metrics`
+extra) at `http://HOST:PORT/metrics`, on 127.0.0.1 unless `--metrics-host` says
+otherwise (`0.0.0.0` in a container whose port is scraped from outside); port 0
+takes a free port, named in the log line "metrics at ...".
 
 `--no-listen` is for a transaction-mode pooler (PgBouncer): it also turns off
 psycopg's server-side prepared statements (`prepare_threshold=None`), which
@@ -106,6 +112,16 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port number: {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {value}")
+    return value
+
+
 def _log_level(text: str) -> int:
     level = LOG_LEVELS.get(text.strip().upper())
     if level is None:
@@ -181,6 +197,19 @@ def add_arguments(
         type=_log_level,
         metavar="LEVEL",
         help="debug, info, warning, error, critical or alert, any case (info)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve Prometheus metrics at /metrics on this port (0: any free port; "
+        "needs pgworkflow[metrics])",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        metavar="HOST",
+        help="the address the metrics port binds (127.0.0.1; 0.0.0.0 for every interface)",
     )
 
 
@@ -331,6 +360,33 @@ def _load(spec: str) -> App:
         raise CommandFailed(str(exc)) from None
 
 
+class _Metrics:
+    """The worker's `/metrics` port: the manager's metrics in prometheus_client's global
+    registry (beside its process and platform collectors), served on a thread."""
+
+    def __init__(self, manager: Manager, host: str, port: int) -> None:
+        try:
+            from workflow import metrics
+
+            self._instrumentation = metrics.instrument(manager)
+        except ImportError as exc:
+            raise CommandFailed(f"workflow: --metrics-port: {exc}") from None
+        try:
+            self._server, _ = metrics.serve(self._instrumentation.registry, port, host)
+        except OSError as exc:
+            self._instrumentation.close()
+            raise CommandFailed(
+                f"workflow: --metrics-port: cannot serve on {host}:{port}: {exc.strerror or exc}"
+            ) from None
+        bound_host, bound_port = self._server.server_address[:2]
+        self.url = f"http://{bound_host}:{bound_port}/metrics"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._instrumentation.close()
+
+
 def serve(options: argparse.Namespace, signals: Signals) -> int:
     """Run the worker the options of `add_arguments` describe, until `signals` get one.
 
@@ -359,7 +415,11 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
             text = f"workflow: cannot start the worker: {text}"
         raise CommandFailed(text) from None
     log = EngineLog(manager.logger)
+    exporter: _Metrics | None = None
     try:
+        if options.metrics_port is not None:
+            exporter = _Metrics(manager, options.metrics_host, options.metrics_port)
+            log.info("metrics at %s", exporter.url)
         runnable = manager.new_runnable(runner_config)
         if signals.received is None:
             runnable.start()
@@ -372,6 +432,8 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
         )
         runnable.stop()
     finally:
+        if exporter is not None:
+            exporter.close()
         manager.close()
         pool.close()
     log.info("worker stopped")

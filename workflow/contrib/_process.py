@@ -77,7 +77,10 @@ class ProcessManager:
     the result), so settings read by them may change until the first request.
     `pool_options` are keyword arguments for `psycopg_pool.ConnectionPool`,
     overriding the defaults (`min_size=1`, a `max_size` sized for the fast path,
-    `kwargs={"autocommit": True}`).
+    `kwargs={"autocommit": True}`). `on_manager()`, when given, returns a callable
+    (or None) that is handed each manager once it is built, in its process: where
+    `workflow.metrics.instrument` goes. When it raises, the manager and its pool
+    are closed and the error propagates.
     """
 
     def __init__(
@@ -87,8 +90,10 @@ class ProcessManager:
         conninfo: Callable[[], str],
         app: Callable[[], App],
         pool_options: Callable[[], Mapping[str, Any]] | None = None,
+        on_manager: Callable[[], Callable[[Manager], object] | None] | None = None,
     ) -> None:
         self._name = name
+        self._on_manager = on_manager
         self._conninfo = conninfo
         self._app = app
         self._pool_options = pool_options
@@ -131,6 +136,13 @@ class ProcessManager:
                     "server is up"
                 ) from exc
             manager = Manager(pool, app.registry, app.config, logger=app.logger)
+            hook = self._on_manager() if self._on_manager is not None else None
+            if hook is not None:
+                try:
+                    hook(manager)
+                except BaseException:
+                    manager.close()
+                    raise
         except BaseException:
             pool.close()
             raise

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 from flask import Flask, current_app, has_app_context
@@ -57,7 +57,9 @@ class WorkflowExtension:
     when the pool is first built. `pool_options` are keyword arguments for
     `psycopg_pool.ConnectionPool` (e.g. `{"max_size": 32}`, or
     `{"kwargs": {"autocommit": True, "prepare_threshold": None}}` behind
-    PgBouncer). Building nothing until first use is what makes it fork-safe.
+    PgBouncer). `on_manager(manager)` is called with each process's manager once
+    it is built (`on_manager=workflow.metrics.instrument` exports its metrics).
+    Building nothing until first use is what makes it fork-safe.
     """
 
     def __init__(
@@ -69,6 +71,7 @@ class WorkflowExtension:
         database_url: str | None = None,
         logger: logging.Logger | None = None,
         pool_options: Mapping[str, Any] | None = None,
+        on_manager: Callable[[Manager], object] | None = None,
     ) -> None:
         if not isinstance(registry, Registry):
             raise TypeError(
@@ -79,6 +82,9 @@ class WorkflowExtension:
         self._database_url = database_url
         self._logger = logger
         self._pool_options = dict(pool_options or {})
+        if on_manager is not None and not callable(on_manager):
+            raise TypeError(f"on_manager must be callable, not {type(on_manager).__name__}")
+        self._on_manager = on_manager
         self._processes: list[ProcessManager] = []
         if app is not None:
             self.init_app(app)
@@ -110,6 +116,7 @@ class WorkflowExtension:
             conninfo=conninfo,
             app=lambda: App(self._registry, self._config, self._logger),
             pool_options=lambda: self._pool_options,
+            on_manager=lambda: self._on_manager,
         )
         app.extensions[EXTENSION_NAME] = process
         self._processes.append(process)

@@ -40,7 +40,9 @@ from workflow.store.rows import (
     DetailTaskRow,
     EventRow,
     ListedRow,
+    QueueDepth,
     StatusRow,
+    SweptRow,
     TaskRow,
     WorkflowStats,
     claimed_runs,
@@ -55,9 +57,11 @@ __all__ = [
     "DetailTaskRow",
     "EventRow",
     "ListedRow",
+    "QueueDepth",
     "SchemaOutdated",
     "StatusRow",
     "Store",
+    "SweptRow",
     "TaskRow",
     "WorkflowStats",
     "bool_array",
@@ -209,12 +213,15 @@ class Store:
         names: str,
         skipped: str,
         wake: bool,
+        traceparent: str | None = None,
+        tracestate: str | None = None,
     ) -> uuid.UUID | None:
         """Insert a run and its tasks; its id, or None when the idempotency key exists.
 
         `names` and `skipped` are array literals (`text_array`, `bool_array`) of
         the task snapshot; `claim_id` set means inserted already claimed by the
-        caller; `wake` sends the pollers' wake-up with it. With `conn`, inside the
+        caller; `wake` sends the pollers' wake-up with it; `traceparent` and
+        `tracestate` are the caller's span context, stored. With `conn`, inside the
         caller's transaction (`WorkflowError` when its database lacks the
         tables). Without, in a transaction of its own that waits at most
         `KEY_WAIT` for a key held by a transaction still open (then
@@ -237,6 +244,8 @@ class Store:
             "names": names,
             "skipped": skipped,
             "wake": wake,
+            "traceparent": traceparent,
+            "tracestate": tracestate,
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
@@ -293,13 +302,13 @@ class Store:
         rows = self._run("heartbeat", {"claims": list(claims)})
         return {row[0] for row in rows}
 
-    def sweep(self, max_age: float, limit: int) -> list[uuid.UUID]:
-        """Release up to `limit` claims staler than `max_age` seconds; their run ids.
+    def sweep(self, max_age: float, limit: int) -> list[SweptRow]:
+        """Release up to `limit` claims staler than `max_age` seconds; what each released.
 
         Each counts the abandoned attempt of its run's current task.
         """
         params = {"max_age": max_age, "limit": limit, "channel": CHANNEL}
-        return [row[0] for row in self._run("sweep", params)]
+        return [SweptRow(*row[:5]) for row in self._run("sweep", params)]
 
     # Writes under a claim (fenced).
 
@@ -592,6 +601,11 @@ class Store:
         (heartbeat older than `stale_after` s), parked, finished in the last day."""
         rows = self._run("queue_stats", {"stale_after": stale_after})
         return [WorkflowStats(*row) for row in rows]
+
+    def queue_gauges(self, stale_after: float) -> list[QueueDepth]:
+        """Per workflow and status: unfinished and parked runs, claimable ones, the oldest
+        claimable's age, stale claims (heartbeat older than `stale_after` s)."""
+        return [QueueDepth(*row) for row in self._run("queue_gauges", {"stale_after": stale_after})]
 
     # Wake-ups.
 

@@ -15,7 +15,7 @@
 WITH run AS (
     INSERT INTO workflow_runs (id, workflow, status, idempotency_key, input, input_sealed,
                                context, context_sealed, task_count, current_seq,
-                               claim_id, heartbeat_at, finished_at)
+                               claim_id, heartbeat_at, finished_at, traceparent, tracestate)
     VALUES (%(id)s, %(workflow)s, %(status)s,
             CASE WHEN %(key_wait)s::text IS NULL THEN %(idempotency_key)s
                  ELSE %(idempotency_key)s || left(set_config('lock_timeout', %(key_wait)s, true), 0)
@@ -23,7 +23,8 @@ WITH run AS (
             %(input)s::jsonb, %(input_sealed)s, %(context)s::jsonb, %(context_sealed)s,
             %(task_count)s, %(current_seq)s, %(claim_id)s,
             CASE WHEN %(claim_id)s::uuid IS NULL THEN NULL ELSE now() END,
-            CASE WHEN %(status)s = 'succeeded' THEN now() END)
+            CASE WHEN %(status)s = 'succeeded' THEN now() END,
+            %(traceparent)s, %(tracestate)s)
     ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, created_at
 ), tasks AS (
@@ -58,10 +59,13 @@ WITH pick AS (
     SET claim_id = %(claim_id)s, heartbeat_at = now(), status = 'running', released_claim = NULL
     FROM pick WHERE r.id = pick.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
-              r.context_sealed, r.current_seq, r.created_at, r.sealed_for
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
+              r.next_retry_at, r.traceparent, r.tracestate
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       c.current_seq, now(), c.sealed_for,
+       extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY t.seq;
@@ -85,10 +89,13 @@ WITH pick AS (
         released_claim = NULL
     FROM numbered WHERE r.id = numbered.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
-              r.context_sealed, r.current_seq, r.created_at, r.sealed_for
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
+              r.next_retry_at, r.traceparent, r.tracestate
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       c.current_seq, now(), c.sealed_for,
+       extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
@@ -97,7 +104,9 @@ ORDER BY c.created_at, c.id, t.seq;
 -- name: claimed_runs
 -- The runs these claims hold, with their snapshots: what a claim whose reply was lost took.
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
-       c.current_seq, now(), c.sealed_for, t.seq, t.name, t.skipped, t.attempts,
+       c.current_seq, now(), c.sealed_for,
+       extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM workflow_runs c JOIN workflow_tasks t ON t.run_id = c.id
 WHERE c.claim_id = ANY(%(claims)s::uuid[])
@@ -205,7 +214,8 @@ RETURNING claim_id;
 
 
 -- name: sweep
--- Release claims whose heartbeat is older than max_age and count the abandoned attempt.
+-- Release claims whose heartbeat is older than max_age and count the abandoned attempt; per run
+-- released, its workflow and the task, seq and attempt count of the attempt it counted.
 WITH stale AS (
     SELECT id FROM workflow_runs
     WHERE claim_id IS NOT NULL AND heartbeat_at < now() - make_interval(secs => %(max_age)s)
@@ -223,12 +233,13 @@ WITH stale AS (
         error = 'the attempt was abandoned: its executor stopped heartbeating (crashed, or hung past its timeout)',
         error_code = NULL
     FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
-    RETURNING t.run_id, t.seq, t.attempts, t.error
+    RETURNING t.run_id, t.seq, t.name, t.attempts, t.error
 ), history AS (
     INSERT INTO workflow_events (run_id, kind, seq, attempt, error)
     SELECT run_id, 'swept', seq, attempts, error FROM bump
 )
-SELECT run.id, pg_notify(%(channel)s, run.workflow) FROM run;
+SELECT run.id, run.workflow, bump.name, bump.seq, bump.attempts, pg_notify(%(channel)s, run.workflow)
+FROM run LEFT JOIN bump ON bump.run_id = run.id;
 
 
 -- name: run_status
@@ -435,6 +446,28 @@ WITH open AS (
 SELECT workflow, sum(pending)::bigint, sum(running)::bigint, sum(claimable)::bigint, max(oldest),
        sum(stale)::bigint, sum(parked)::bigint, sum(succeeded)::bigint, sum(cancelled)::bigint
 FROM per GROUP BY workflow ORDER BY workflow;
+
+
+-- name: queue_gauges
+-- Per workflow and status, the runs not finished and the parked ones; of those, how many are claimable
+-- now and the oldest claimable's age (s); and per workflow the claims whose heartbeat is older than
+-- stale_after. Each branch reads one partial index (claimable, claimed, finished), never the history.
+WITH open AS (
+    SELECT workflow, status, next_retry_at <= now() AS claimable,
+           greatest(created_at, next_retry_at) AS since, false AS stale
+    FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
+    UNION ALL
+    SELECT workflow, status, false, NULL,
+           heartbeat_at < now() - make_interval(secs => %(stale_after)s)
+    FROM workflow_runs WHERE claim_id IS NOT NULL
+    UNION ALL
+    SELECT workflow, status, false, NULL, false
+    FROM workflow_runs WHERE finished_at IS NOT NULL AND status = 'parked'
+)
+SELECT workflow, status, count(*), count(*) FILTER (WHERE claimable),
+       extract(epoch FROM now() - min(since) FILTER (WHERE claimable))::float8,
+       count(*) FILTER (WHERE stale)
+FROM open GROUP BY workflow, status ORDER BY workflow, status;
 
 
 -- name: count_runs

@@ -30,6 +30,9 @@ class ClaimedRun:
     `db_now` is the database clock at the claim (None for a run inserted already
     claimed by the fast path, which has no failure to wait out). `sealed_for` is
     the run its sealed documents were sealed for, when not this one (a fork).
+    `waited` is how long it had been claimable when claimed, by the database
+    clock (None on the fast path); `traceparent` and `tracestate` the span context
+    of its start (W3C trace-context headers), when one was stored.
     """
 
     id: uuid.UUID
@@ -43,6 +46,9 @@ class ClaimedRun:
     db_now: datetime.datetime | None
     tasks: tuple[TaskRow, ...]
     sealed_for: uuid.UUID | None = None
+    waited: float | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
 
 @attrs.frozen
@@ -65,7 +71,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     runs: list[ClaimedRun] = []
     tasks: list[TaskRow] = []
     for i, row in enumerate(rows):
-        tasks.append(TaskRow(*row[10:]))
+        tasks.append(TaskRow(*row[13:]))
         if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
             runs.append(
                 ClaimedRun(
@@ -79,6 +85,9 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
                     current_seq=row[7],
                     db_now=row[8],
                     sealed_for=row[9],
+                    waited=row[10],
+                    traceparent=row[11],
+                    tracestate=row[12],
                     tasks=tuple(tasks),
                 )
             )
@@ -165,3 +174,30 @@ class WorkflowStats:
     parked: int
     succeeded_last_day: int
     cancelled_last_day: int
+
+
+@attrs.frozen
+class QueueDepth:
+    """One workflow and status of the queue (`Admin.depth`): its runs not finished
+    (or parked), how many of them are claimable now, the oldest claimable's age in
+    seconds (None when none is), and claims whose heartbeat is older than the
+    stale limit."""
+
+    workflow: str
+    status: str
+    runs: int
+    claimable: int
+    oldest_claimable_seconds: float | None
+    stale_claims: int
+
+
+@attrs.frozen
+class SweptRow:
+    """A run `sweep` released: its workflow, and the task, seq and attempt count of
+    the abandoned attempt it counted (None when the run had no task there)."""
+
+    run_id: uuid.UUID
+    workflow: str
+    task: str | None
+    seq: int | None
+    attempts: int | None

@@ -5,6 +5,7 @@ depends on it); the run and the app's own rows share that database, so
 `start_on_commit` can insert the run inside the app's transaction.
 """
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -45,4 +46,9 @@ TIME_ZONE = "UTC"
 WORKFLOW = {
     "REGISTRY": "transfers.workflows:registry",
     "DATABASE_ALIAS": "default",
+    # Each process's manager exports its metrics into prometheus_client's registry,
+    # served at /metrics (transfers.views.metrics); needs pgworkflow[metrics].
+    "ON_MANAGER": (
+        "workflow.metrics:instrument" if importlib.util.find_spec("prometheus_client") else None
+    ),
 }

@@ -4,4 +4,5 @@ from transfers import views
 urlpatterns = [
     path("transfers", views.create_transfer),
     path("transfers/<int:pk>", views.show_transfer),
+    path("metrics", views.metrics),
 ]

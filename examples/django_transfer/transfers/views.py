@@ -6,7 +6,7 @@ import json
 
 from django.db import transaction
 from django.db.models import Sum
-from django.http import HttpRequest, JsonResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import get_object_or_404
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
@@ -69,4 +69,15 @@ def show_transfer(request: HttpRequest, pk: int) -> JsonResponse:
             "status": status.status.value,
             "failure": None if status.failure is None else status.failure.error,
         }
+    )
+
+
+@require_GET
+def metrics(request: HttpRequest) -> HttpResponse:
+    """Prometheus metrics: this process's manager (WORKFLOW["ON_MANAGER"]) and the queue."""
+    import prometheus_client
+
+    get_manager()  # built (and instrumented) on first use; a scrape may come first
+    return HttpResponse(
+        prometheus_client.generate_latest(), content_type=prometheus_client.CONTENT_TYPE_LATEST
     )

@@ -34,10 +34,12 @@ class WorkflowConfig(AppConfig):
             conninfo=lambda: conf.connection_settings(conf.database_alias())[0],
             app=self.workflow_app,
             pool_options=self._pool_options,
+            on_manager=conf.on_manager,
         )
 
     def ready(self) -> None:
         self.workflow_app()
+        conf.on_manager()  # a bad ON_MANAGER fails at startup too
 
     def workflow_app(self) -> App:
         """The registry and config of the `WORKFLOW` setting, resolved once."""

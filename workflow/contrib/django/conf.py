@@ -4,19 +4,23 @@
         "REGISTRY": "transfers.workflows:registry",  # required: PACKAGE.MODULE:FACTORY
         "CONFIG": workflow.Config(max_local_runs=16),  # optional: a Config, or "module:attr"
         "DATABASE_ALIAS": "default",                  # optional: a psycopg 3 PostgreSQL alias
+        "ON_MANAGER": "workflow.metrics:instrument",  # optional: called with each manager
     }
 
 `REGISTRY` names a callable returning a `workflow.Registry` or a `workflow.App`
 (or such an object), exactly like `python -m workflow.worker --app`. The
 manager's connections use the alias's connection settings, in a pool of their own;
 `start_on_commit` inserts on the alias's own connection, inside the caller's
-transaction.
+transaction. `ON_MANAGER` (a callable, or "module:attr") is handed each process's
+manager once it is built: `workflow.metrics:instrument` exports its metrics into
+prometheus_client's registry.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -28,8 +32,11 @@ from workflow.config import Config
 from workflow.definition import Registry
 from workflow.store.connections import one_line
 
+if TYPE_CHECKING:
+    from workflow.manager import Manager
+
 SETTING = "WORKFLOW"
-KEYS = ("REGISTRY", "CONFIG", "DATABASE_ALIAS")
+KEYS = ("REGISTRY", "CONFIG", "DATABASE_ALIAS", "ON_MANAGER")
 DEFAULT_ALIAS = "default"
 
 # Connection parameters Django passes to psycopg.connect() that are not libpq's.
@@ -68,6 +75,17 @@ def database_alias() -> str:
             f"settings.DATABASES ({', '.join(settings.DATABASES)})"
         )
     return str(alias)
+
+
+def on_manager() -> Callable[[Manager], object] | None:
+    """`WORKFLOW["ON_MANAGER"]` resolved: a callable, or None when it is not set."""
+    hook = workflow_settings().get("ON_MANAGER")
+    what = f'settings.{SETTING}["ON_MANAGER"]'
+    if isinstance(hook, str):
+        hook = _resolve(hook, what)
+    if hook is not None and not callable(hook):
+        raise ImproperlyConfigured(f"{what} must be callable, not {type(hook).__name__}")
+    return cast("Callable[[Manager], object] | None", hook)
 
 
 def _resolve(spec: str, what: str) -> Any:

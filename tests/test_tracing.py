@@ -1,0 +1,339 @@
+"""OpenTelemetry traces (SPEC 13, `workflow.tracing`), read back from the SDK.
+
+On the fast path each attempt's `workflow.task {task}` span is a child of the
+span current at `start`, and the handler's own spans are children of it; a run
+that a poller claims runs under a CONSUMER span `workflow.run {workflow}` of a
+trace of its own, linked to the span context stored at `start_tx`, in this
+process and in a real worker subprocess that exports to a file. Attempt numbers,
+errors and what followed them (retry, park, cancel) are on the spans;
+`Config(tracing=False)` makes none and stores nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import Inp, Out, registry, wait_until
+from worker_apps import traced
+from worker_apps.harness import ROOT, WorkerProcess
+
+import workflow
+from workflow import Status
+
+trace = pytest.importorskip("opentelemetry.trace")
+sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
+from opentelemetry import baggage, context  # noqa: E402
+from opentelemetry.sdk.trace.export import (  # noqa: E402
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+
+A = workflow.Task("a", Out)
+B = workflow.Task("b", Out)
+
+
+class Kept(SpanExporter):
+    """Keeps ended spans while a test of this module listens (the provider is global and
+    set once per process: other modules' spans are dropped)."""
+
+    def __init__(self) -> None:
+        self.spans: list[Any] = []
+        self.listening = False
+        self.lock = threading.Lock()
+
+    def export(self, spans: Sequence[Any]) -> SpanExportResult:
+        with self.lock:
+            if self.listening:
+                self.spans.extend(spans)
+        return SpanExportResult.SUCCESS
+
+    def named(self, prefix: str) -> list[Any]:
+        with self.lock:
+            return [s for s in self.spans if s.name.startswith(prefix)]
+
+
+_KEPT = Kept()
+_PROVIDER: list[Any] = []
+
+
+@pytest.fixture
+def spans() -> Iterator[Kept]:
+    if not _PROVIDER:
+        provider = sdk_trace.TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(_KEPT))
+        trace.set_tracer_provider(provider)
+        _PROVIDER.append(provider)
+    with _KEPT.lock:
+        _KEPT.spans.clear()
+        _KEPT.listening = True
+    try:
+        yield _KEPT
+    finally:
+        with _KEPT.lock:
+            _KEPT.listening = False
+            _KEPT.spans.clear()
+
+
+def tracer() -> Any:
+    return trace.get_tracer("tests")
+
+
+def test_fast_path_task_spans_are_children_of_the_callers_span(
+    spans: Kept, make_manager: Any
+) -> None:
+    def a(run: workflow.TaskRun[Inp]) -> Out:
+        with tracer().start_as_current_span("inside the handler"):
+            return Out("a")
+
+    reg, wf = registry(workflow.handle(A, a), workflow.handle(B, lambda run: Out("b")))
+    mgr = make_manager(reg)
+    with tracer().start_as_current_span("request") as request:
+        run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=20) is Status.SUCCEEDED
+    wait_until(lambda: len(spans.named("workflow.task")) == 2, "both task spans")
+    caller = request.get_span_context()
+    first, second = sorted(
+        spans.named("workflow.task"), key=lambda s: s.attributes["workflow.task.seq"]
+    )
+    for span, name, seq in ((first, "a", 1), (second, "b", 2)):
+        assert span.name == f"workflow.task {name}"
+        assert span.context.trace_id == caller.trace_id
+        assert span.parent is not None and span.parent.span_id == caller.span_id
+        assert dict(span.attributes) == {
+            "workflow.name": "W",
+            "workflow.run_id": run.id,
+            "workflow.task": name,
+            "workflow.task.seq": seq,
+            "workflow.attempt": 1,
+            "workflow.outcome": "succeeded",
+        }
+    (inside,) = spans.named("inside the handler")
+    assert inside.parent is not None and inside.parent.span_id == first.context.span_id
+    assert not spans.named("workflow.run"), "the fast path has no CONSUMER span"
+
+
+def test_a_failure_then_a_park_are_on_the_spans(spans: Kept, make_manager: Any) -> None:
+    def fails(run: workflow.TaskRun[Inp]) -> Out:
+        if run.attempt == 1:
+            raise RuntimeError("flaky provider")
+        raise workflow.Permanent("account closed", code="closed")
+
+    reg, wf = registry(workflow.handle(A, fails, backoff_schedule=[0.01]))
+    mgr = make_manager(reg)
+    assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.PARKED
+    wait_until(lambda: len(spans.named("workflow.task")) == 2, "both attempts' spans")
+    first, second = sorted(
+        spans.named("workflow.task"), key=lambda s: s.attributes["workflow.attempt"]
+    )
+    assert first.attributes["workflow.attempt"] == 1
+    assert first.attributes["workflow.outcome"] == "failed"
+    assert first.status.status_code is trace.StatusCode.ERROR
+    assert [e.name for e in first.events] == ["exception", "workflow.retry"]
+    assert first.events[0].attributes["exception.message"] == "flaky provider"
+    assert first.end_time <= second.start_time, "a failed attempt's span ends when it ended"
+    assert second.attributes["workflow.attempt"] == 2
+    assert [e.name for e in second.events] == ["exception", "workflow.parked"]
+
+
+def test_a_cancel_is_an_event_on_the_attempts_span(
+    spans: Kept, make_manager: Any, db_url: str
+) -> None:
+    entered = threading.Event()
+
+    def waits(run: workflow.TaskRun[Inp]) -> Out:
+        entered.set()
+        run.cancelled.wait(20)
+        return Out("late")
+
+    reg, wf = registry(workflow.handle(A, waits))
+    mgr = make_manager(reg)
+    run = wf.start(mgr, Inp(1))
+    assert entered.wait(10)
+    with workflow.Admin(db_url) as admin:
+        admin.cancel(run.id)
+    assert run.wait(timeout=20) is Status.CANCELLED
+    wait_until(lambda: spans.named("workflow.task"), "the attempt's span")
+    (span,) = spans.named("workflow.task")
+    assert span.attributes["workflow.outcome"] == "cancelled"
+    assert [e.name for e in span.events] == ["workflow.cancelled"]
+
+
+def _stored(db: psycopg.Connection[Any], run_id: str) -> tuple[str | None, str | None]:
+    row = db.execute(
+        "SELECT traceparent, tracestate FROM workflow_runs WHERE id = %s", (run_id,)
+    ).fetchone()
+    assert row is not None
+    return row[0], row[1]
+
+
+def test_a_polled_run_runs_under_a_consumer_span_linked_to_its_start(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    reg, wf = registry(
+        workflow.handle(A, lambda run: Out("a")), workflow.handle(B, lambda run: Out("b"))
+    )
+    mgr = make_manager(reg)
+    state = trace.TraceState([("vendor", "value")])
+    parent = trace.NonRecordingSpan(
+        trace.SpanContext(
+            0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True,
+            trace_flags=trace.TraceFlags(1), trace_state=state,
+        )
+    )
+    token = context.attach(
+        baggage.set_baggage("user.email", "someone@example.com", trace.set_span_in_context(parent))
+    )
+    try:
+        with tracer().start_as_current_span("request") as request, db.transaction():
+            run = wf.start_tx(db, mgr, Inp(1))
+    finally:
+        context.detach(token)
+    caller = request.get_span_context()
+    traceparent, tracestate = _stored(db, run.id)
+    assert traceparent == f"00-{caller.trace_id:032x}-{caller.span_id:016x}-01"
+    assert tracestate == "vendor=value", "the trace state, and never the baggage"
+    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, poll_interval=0.1))
+    runnable.start()
+    try:
+        assert run.wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        runnable.stop()
+    wait_until(lambda: spans.named("workflow.run"), "the CONSUMER span")
+    (consumer,) = spans.named("workflow.run")
+    assert consumer.name == "workflow.run W"
+    assert consumer.kind is trace.SpanKind.CONSUMER
+    assert consumer.parent is None and consumer.context.trace_id != caller.trace_id
+    assert [(link.context.trace_id, link.context.span_id) for link in consumer.links] == [
+        (caller.trace_id, caller.span_id)
+    ]
+    assert consumer.attributes["workflow.run_id"] == run.id
+    tasks = spans.named("workflow.task")
+    assert len(tasks) == 2
+    assert all(t.parent is not None and t.parent.span_id == consumer.context.span_id for t in tasks)
+
+
+def test_tracing_off_makes_no_span_and_stores_no_context(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("a")))
+    mgr = make_manager(reg, config=workflow.Config(tracing=False))
+    with tracer().start_as_current_span("request"):
+        run = wf.start(mgr, Inp(1))
+        with db.transaction():
+            later = wf.start_tx(db, mgr, Inp(2))
+    assert run.wait(timeout=20) is Status.SUCCEEDED
+    assert _stored(db, run.id) == (None, None) == _stored(db, later.id)
+    assert not spans.named("workflow.")
+
+
+def test_a_fast_path_start_without_a_span_gets_a_run_span_of_its_own(
+    spans: Kept, make_manager: Any
+) -> None:
+    reg, wf = registry(
+        workflow.handle(A, lambda run: Out("a")), workflow.handle(B, lambda run: Out("b"))
+    )
+    mgr = make_manager(reg)
+    assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.SUCCEEDED
+    wait_until(lambda: spans.named("workflow.run"), "the run's span")
+    (run_span,) = spans.named("workflow.run")
+    assert run_span.links == () or list(run_span.links) == []
+    tasks = spans.named("workflow.task")
+    assert len(tasks) == 2
+    assert {t.context.trace_id for t in tasks} == {run_span.context.trace_id}
+
+
+def test_a_start_without_a_span_stores_nothing(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("a")))
+    mgr = make_manager(reg)
+    with db.transaction():
+        run = wf.start_tx(db, mgr, Inp(1))
+    assert _stored(db, run.id) == (None, None)
+
+
+def test_a_worker_subprocess_links_its_consumer_span_to_the_request(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any], engine_url: str,
+    tmp_path: Path,
+) -> None:
+    mgr = make_manager(traced.registry())
+    with tracer().start_as_current_span("request") as request, db.transaction():
+        run = traced.Traced.start_tx(db, mgr, traced.Order(41))
+    caller = request.get_span_context()
+    out = tmp_path / "spans.jsonl"
+    os.environ["WORKFLOW_TEST_SPANS"] = str(out)
+    try:
+        worker = WorkerProcess("tests.worker_apps.traced:traced_app", engine_url,
+                               "--poll-interval", "0.2")
+    finally:
+        del os.environ["WORKFLOW_TEST_SPANS"]
+    try:
+        worker.wait_started()
+        # Not run.wait(): a wait kicks an unclaimed run and executes it here.
+        wait_until(
+            lambda: db.execute(
+                "SELECT status FROM workflow_runs WHERE id = %s", (run.id,)
+            ).fetchone() == ("succeeded",),
+            "the worker to finish the run",
+        )
+        worker.terminate()
+        assert worker.wait(timeout=20) == 0, worker.stderr
+    finally:
+        worker.kill()
+    exported = [json.loads(line) for line in out.read_text().splitlines()]
+    (consumer,) = [s for s in exported if s["name"] == "workflow.run Traced.Order"]
+    assert consumer["kind"] == "CONSUMER" and consumer["parent"] is None
+    assert consumer["links"] == [
+        {"trace_id": f"{caller.trace_id:032x}", "span_id": f"{caller.span_id:016x}"}
+    ]
+    assert consumer["attributes"]["workflow.run_id"] == run.id
+    tasks = sorted(
+        (s for s in exported if s["name"].startswith("workflow.task")),
+        key=lambda s: s["attributes"]["workflow.task.seq"],
+    )
+    assert [s["name"] for s in tasks] == [
+        "workflow.task traced.reserve", "workflow.task traced.send"
+    ]
+    assert all(s["parent"] == consumer["span_id"] for s in tasks)
+    assert all(s["trace_id"] == consumer["trace_id"] for s in tasks)
+    assert [s["attributes"]["workflow.attempt"] for s in tasks] == [1, 1]
+
+
+@pytest.mark.parametrize(
+    "blocked", ["opentelemetry", "prometheus_client"], ids=["without otel", "without prometheus"]
+)
+def test_the_library_works_without_the_extras(blocked: str, db_url: str) -> None:
+    script = f"""
+import sys
+sys.modules[{blocked!r}] = None  # an import of it fails, as if not installed
+import workflow
+from workflow import tracing
+from tests.worker_apps import traced
+assert tracing.available is ({blocked!r} != "opentelemetry")
+with workflow.Manager({db_url!r}, traced.registry()) as mgr:
+    run = traced.Traced.start(mgr, traced.Order(1))
+    assert run.wait(timeout=20) is workflow.Status.SUCCEEDED, run.status()
+    try:
+        from workflow import metrics
+        metrics.instrument(mgr)
+    except ImportError as e:
+        assert {blocked!r} == "prometheus_client" and "pgworkflow[metrics]" in str(e), e
+    else:
+        assert {blocked!r} != "prometheus_client"
+print("ok")
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "ok"

@@ -1,0 +1,2 @@
+ALTER TABLE workflow_runs DROP COLUMN tracestate;
+ALTER TABLE workflow_runs DROP COLUMN traceparent;
