@@ -2,7 +2,7 @@
 
 A table full of finished runs (plus a handful of claimable and claimed ones) is
 analysed, then the store's own statements are EXPLAINed with real parameters. The
-claim query must go through the partial index `workflow_runs_claimable`, the sweep
+claim query must go through the partial index `workflow_runs_due`, the sweep
 through `workflow_runs_claimed`, and neither (nor the claim by id) may scan
 `workflow_runs` or `workflow_tasks` sequentially: their cost must not grow with the
 number of finished runs. A later change to the queries or the indexes that loses
@@ -136,7 +136,15 @@ def _assert_no_seq_scan(scans: list[tuple[str, str | None, str | None]]) -> None
 
 
 def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> bool:
+    if index == OPEN_RUNS:
+        return any(found in OPEN_RUN_INDEXES for _, _, found in scans)
     return any(found == index for _, _, found in scans)
+
+
+# Either partial index of the open, unclaimed runs (same predicate): the planner may
+# pick the one whose order suits it.
+OPEN_RUNS = "an index of the open unclaimed runs"
+OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_due")
 
 
 def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
@@ -149,18 +157,18 @@ def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
     assert row == (FINISHED_RUNS, 15, 10)
 
 
-def test_claim_runs_uses_the_claimable_index(plan_db: psycopg.Connection[Any]) -> None:
+def test_claim_runs_uses_the_due_index(plan_db: psycopg.Connection[Any]) -> None:
     plan = _plan(
         plan_db,
         "claim_runs",
         {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)},
     )
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, "workflow_runs_due"), scans
     _assert_no_seq_scan(scans)
 
 
-def test_claim_runs_of_several_workflows_uses_the_claimable_index(
+def test_claim_runs_of_several_workflows_uses_the_due_index(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     plan = _plan(
@@ -169,7 +177,7 @@ def test_claim_runs_of_several_workflows_uses_the_claimable_index(
         {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100, "claims": _claims(100)},
     )
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, "workflow_runs_due"), scans
     _assert_no_seq_scan(scans)
 
 
@@ -232,7 +240,7 @@ def test_queue_stats_read_only_unfinished_parked_and_recent_runs(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     scans = _scans(_plan(plan_db, "queue_stats", {"stale_after": 600.0}))
-    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, OPEN_RUNS), scans
     assert _uses_index(scans, "workflow_runs_claimed"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
@@ -243,7 +251,7 @@ def test_the_metrics_gauges_read_only_open_and_parked_runs(
 ) -> None:
     """SPEC 13: the scrape's one query reads the partial indexes, never the history."""
     scans = _scans(_plan(plan_db, "queue_gauges", {"stale_after": 600.0}))
-    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, OPEN_RUNS), scans
     assert _uses_index(scans, "workflow_runs_claimed"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
@@ -306,5 +314,75 @@ def test_the_readme_keda_query_is_an_index_scan_with_a_million_finished_runs(
     explained = million_db.execute("EXPLAIN (FORMAT JSON) " + query).fetchone()
     assert explained is not None
     scans = _scans(explained[0][0]["Plan"])
-    assert _uses_index(scans, "workflow_runs_claimable"), scans
+    assert _uses_index(scans, OPEN_RUNS), scans
+    _assert_no_seq_scan(scans)
+
+
+DELAYED_RUNS = 100_000
+
+
+@pytest.fixture(scope="module")
+def delayed_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
+    """A migrated database with 100k runs due next year, created before 20 runs due now
+    (so a claim in creation order would walk past all of them), analysed."""
+    name = create_database(pg_url, template_db)
+    try:
+        with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+                       now() + interval '1 year' + i * interval '1 second',
+                       now() - interval '1 day' + i * interval '1 ms'
+                FROM generate_series(1, %(n)s) AS i
+                """,
+                {"n": DELAYED_RUNS},
+            )
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+                       now() - interval '1 minute', now() - interval '1 minute'
+                FROM generate_series(1, 20)
+                """
+            )
+            conn.execute(
+                "INSERT INTO workflow_tasks (run_id, seq, name) "
+                "SELECT id, 1, 'task.1' FROM workflow_runs"
+            )
+            conn.execute("ANALYZE workflow_runs")
+            conn.execute("ANALYZE workflow_tasks")
+            yield conn
+    finally:
+        drop_database(pg_url, name)
+
+
+def _buffers(plan: dict[str, Any]) -> int:
+    return int(plan.get("Shared Hit Blocks", 0)) + int(plan.get("Shared Read Blocks", 0))
+
+
+@pytest.mark.slow
+def test_the_claim_never_visits_the_runs_due_next_year(
+    delayed_db: psycopg.Connection[Any],
+) -> None:
+    """SPEC 14: the claim's cost does not grow with the delayed runs waiting."""
+    params = {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)}
+    scans = _scans(_plan(delayed_db, "claim_runs", params))
+    assert _uses_index(scans, "workflow_runs_due"), scans
+    _assert_no_seq_scan(scans)
+    sql = psycopg.ClientCursor(delayed_db).mogrify(_Q["claim_runs"], params)
+    with delayed_db.transaction(force_rollback=True):
+        row = delayed_db.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql).fetchone()
+    assert row is not None
+    plan = row[0][0]["Plan"]
+    # 10 runs and their tasks, read and locked: a few dozen pages, not the 100k runs'.
+    assert _buffers(plan) < 400, _buffers(plan)
+
+
+@pytest.mark.slow
+def test_the_next_due_time_is_one_index_probe(delayed_db: psycopg.Connection[Any]) -> None:
+    scans = _scans(_plan(delayed_db, "next_due", {"workflows": ["Transfer.Send"]}))
+    assert _uses_index(scans, "workflow_runs_due"), scans
     _assert_no_seq_scan(scans)

@@ -7,6 +7,7 @@ message naming the workflow, the task and the fix.
 
 from __future__ import annotations
 
+import datetime
 import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
@@ -43,16 +44,27 @@ class Workflow(Generic[In]):
     def __repr__(self) -> str:
         return f"Workflow({self.name!r}, {_type_name(self.input_type)})"
 
-    def start(self, mgr: Manager, input: In, *, idempotency_key: str | None = None) -> Run:
+    def start(
+        self,
+        mgr: Manager,
+        input: In,
+        *,
+        idempotency_key: str | None = None,
+        delay: Duration | None = None,
+        run_at: datetime.datetime | None = None,
+    ) -> Run:
         """Insert a run in its own transaction, then execute it here if there is room.
 
         Blocks on one database round trip. When `max_local_runs` executions are
         already in flight (or the manager is closing) the run is left for a poller.
         With `idempotency_key`, a second start returns the existing run untouched.
-        Raises `EncodeError` (nothing written) for an input that cannot be encoded.
-        The same as `mgr.start(self, input, ...)`, which documents the rest.
+        With `delay` or `run_at` it is due later and not executed here. Raises
+        `EncodeError` (nothing written) for an input that cannot be encoded. The
+        same as `mgr.start(self, input, ...)`, which documents the rest.
         """
-        return mgr.start(self, input, idempotency_key=idempotency_key)
+        return mgr.start(
+            self, input, idempotency_key=idempotency_key, delay=delay, run_at=run_at
+        )
 
     def start_tx(
         self,
@@ -61,15 +73,20 @@ class Workflow(Generic[In]):
         input: In,
         *,
         idempotency_key: str | None = None,
+        delay: Duration | None = None,
+        run_at: datetime.datetime | None = None,
     ) -> Run:
         """Insert a run with the caller's connection, inside the caller's transaction.
 
         Launches nothing: the run exists if and only if that transaction commits,
-        and the first `run.wait()` or a poller claims it. Raises `EncodeError`
-        before sending any SQL, and `WorkflowError` when `conn` is not inside a
-        usable transaction. The same as `mgr.start_tx(conn, self, input, ...)`.
+        and the first `run.wait()` or a poller claims it (from its due time, with
+        `delay` or `run_at`). Raises `EncodeError` before sending any SQL, and
+        `WorkflowError` when `conn` is not inside a usable transaction. The same as
+        `mgr.start_tx(conn, self, input, ...)`.
         """
-        return mgr.start_tx(conn, self, input, idempotency_key=idempotency_key)
+        return mgr.start_tx(
+            conn, self, input, idempotency_key=idempotency_key, delay=delay, run_at=run_at
+        )
 
     def input(self, mgr: Manager, run_id: str) -> In:
         """Read and decode the stored input of one of this workflow's runs.

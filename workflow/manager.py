@@ -8,6 +8,7 @@ not cross a `fork()`: in the child every call raises `WorkflowError`.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import threading
@@ -200,7 +201,13 @@ class Manager:
     # Starting runs.
 
     def start(
-        self, workflow: Workflow[In], input: In, *, idempotency_key: str | None = None
+        self,
+        workflow: Workflow[In],
+        input: In,
+        *,
+        idempotency_key: str | None = None,
+        delay: Duration | None = None,
+        run_at: datetime.datetime | None = None,
     ) -> Run:
         """Insert a run of `workflow` in its own transaction, then execute it here if there is room.
 
@@ -208,13 +215,20 @@ class Manager:
         (a second one when the idempotency key already exists). When
         `max_local_runs` executions are already in flight, or the manager is
         closing, the run is left for a poller. With `idempotency_key`, a second
-        start returns the existing run untouched. Raises `EncodeError` (nothing
-        written) for an input or key that cannot be stored, `WorkflowError` for a
+        start returns the existing run untouched. With `delay` (seconds or a
+        timedelta, from now by the database clock) or `run_at` (an aware
+        datetime; one in the past is due at once) the run is PENDING until then
+        and is not executed here: from its due time a poller, or a `wait()` kick,
+        claims it. Raises `EncodeError` (nothing written) for an input or key that
+        cannot be stored, `TypeError`/`ValueError` for a bad `delay` or `run_at`
+        (both given, a naive datetime, a negative delay), `WorkflowError` for a
         workflow not registered here, a closed or forked manager, or a key held
         for more than 5 s by a transaction still open.
         """
         self._check_usable()
-        run_id, _ = self._starter.start(workflow, input, idempotency_key=idempotency_key)
+        run_id, _ = self._starter.start(
+            workflow, input, idempotency_key=idempotency_key, delay=delay, run_at=run_at
+        )
         return Run(self, str(run_id), run_id)
 
     def start_tx(
@@ -224,19 +238,24 @@ class Manager:
         input: In,
         *,
         idempotency_key: str | None = None,
+        delay: Duration | None = None,
+        run_at: datetime.datetime | None = None,
     ) -> Run:
         """Insert a run of `workflow` with the caller's connection, inside its open transaction.
 
         `Workflow.start_tx(conn, mgr, input)` is this. Launches nothing: the run
         exists if and only if that transaction commits, and the first
-        `run.wait()` or a poller claims it. Blocks on one statement in the
-        caller's transaction. Raises `EncodeError` before sending any SQL (the
-        transaction stays usable), and `WorkflowError` when `conn` is not inside
-        a usable transaction or is on another database than this manager's.
+        `run.wait()` or a poller claims it (from its due time, with `delay` or
+        `run_at` as `start` says). Blocks on one statement in the caller's
+        transaction. Raises `EncodeError`, `TypeError` or `ValueError` before
+        sending any SQL (the transaction stays usable), and `WorkflowError` when
+        `conn` is not inside a usable transaction or is on another database than
+        this manager's.
         """
         self._check_usable()
         run_id, _ = self._starter.start(
-            workflow, input, idempotency_key=idempotency_key, conn=conn
+            workflow, input, idempotency_key=idempotency_key, conn=conn, delay=delay,
+            run_at=run_at,
         )
         return Run(self, str(run_id), run_id)
 

@@ -1,4 +1,9 @@
-"""The poller: claims runs left for any process, oldest first, and executes them.
+"""The poller: claims runs left for any process, longest due first, and executes them.
+
+When nothing more is claimable it sleeps for its poll interval, or until the
+earliest run of its workflows falls due when that is sooner (a delayed start,
+a retry waiting out its backoff); a wake-up (a notification, a local start)
+cuts the sleep short.
 
 A claim is one statement (`FOR UPDATE SKIP LOCKED`, so pollers in many processes
 never claim the same run) that also returns each run's task snapshot. It claims
@@ -15,6 +20,9 @@ from workflow.executor import Executor
 from workflow.runthreads import RunThreads
 from workflow.service import Service
 from workflow.store import ClaimedRun
+
+OVERDUE_RETRY = 0.25
+"""Seconds before looking again at a due run the last claim skipped (it was locked)."""
 
 
 class Poller(Service):
@@ -56,7 +64,26 @@ class Poller(Service):
             for run in claimed:
                 self._hand_over(run)
             if len(claimed) < limit:
-                self._sleep(self._settings.poll_interval)
+                self._sleep(self._until_next_due())
+
+    def _until_next_due(self) -> float:
+        """How long to sleep when nothing more is claimable: the poll interval, or less
+        when a run (delayed, or waiting out a backoff) falls due sooner."""
+        interval = self._settings.poll_interval
+        try:
+            due = self._executor.store.next_due(self._workflows)
+        except Exception:
+            self._executor.log.exception("poller: reading the next due time failed")
+            return interval
+        if due is None:
+            return interval
+        if due <= 0:
+            # Due, yet the claim just passed it over: locked by another poller's
+            # claim (gone in a moment) or by a transaction still open. Look again
+            # soon, not in a loop.
+            return min(interval, OVERDUE_RETRY)
+        # A little past the due time: the claim compares with the database clock.
+        return min(interval, due + 0.005)
 
     def _hand_over(self, run: ClaimedRun) -> None:
         executor = self._executor

@@ -10,6 +10,7 @@ fast path when there is room (inserted already claimed: no claim of its own).
 
 from __future__ import annotations
 
+import datetime
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,7 @@ import psycopg
 from workflow import codec
 from workflow.config import Config
 from workflow.definition import Definition, Registry, Workflow
+from workflow.durations import Duration, seconds
 from workflow.errors import EncodeError, WorkflowError
 from workflow.events import Events, RunFinished, RunStarted
 from workflow.fastpath import FastPath
@@ -74,6 +76,31 @@ def check_key(key: object) -> None:
         raise EncodeError(f"idempotency_key {key[:60]!r} {problem}")
 
 
+def check_due(
+    delay: object, run_at: object
+) -> tuple[float | None, datetime.datetime | None]:
+    """(delay in seconds, run_at) checked before any SQL is sent: `TypeError` for both,
+    or for a value of the wrong type; `ValueError` for a naive datetime, or a delay
+    that is negative, NaN or beyond what a duration may be. (None, None): due now."""
+    if delay is not None and run_at is not None:
+        raise TypeError("start(): give delay or run_at, not both")
+    if run_at is not None:
+        if not isinstance(run_at, datetime.datetime):
+            raise TypeError(f"run_at must be a datetime.datetime, not {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ValueError(
+                f"run_at {run_at.isoformat()} is naive: give an aware datetime "
+                "(e.g. datetime.datetime.now(datetime.timezone.utc) + ...)"
+            )
+        return None, run_at
+    if delay is not None:
+        value = seconds(delay, "delay")
+        if value < 0:
+            raise ValueError(f"delay must be zero or more seconds, got {delay!r}")
+        return value, None
+    return None, None
+
+
 class Starter:
     """Inserts runs for one manager, and launches them on its fast path."""
 
@@ -107,8 +134,13 @@ class Starter:
         *,
         idempotency_key: str | None,
         conn: psycopg.Connection[Any] | None = None,
+        delay: Duration | None = None,
+        run_at: datetime.datetime | None = None,
     ) -> tuple[uuid.UUID, bool]:
         """Insert a run (in `conn`'s transaction when given) and launch it when there is room.
+
+        With `delay` or `run_at` the run is due later: it is inserted pending and
+        never launched here (a poller or a `wait()` kick claims it once due).
 
         Returns its id, and whether it is a new run (False: an earlier start's,
         found by the idempotency key). Raises what `Manager.start` and
@@ -122,6 +154,8 @@ class Starter:
             )
         if idempotency_key is not None:
             check_key(idempotency_key)
+        delay_s, due_at = check_due(delay, run_at)
+        delayed = delay_s is not None or due_at is not None
         if conn is not None:
             if not isinstance(conn, psycopg.Connection):
                 raise TypeError(
@@ -155,7 +189,7 @@ class Starter:
         all_skipped = current > len(steps)
         traceparent, tracestate = (None, None) if self._capture is None else self._capture()
         fastpath = self._fastpath
-        fast = conn is None and not all_skipped and fastpath.try_slot()
+        fast = conn is None and not all_skipped and not delayed and fastpath.try_slot()
         claim_id = uuid.uuid4() if fast else None
         try:
             inserted = store.insert_run(
@@ -176,6 +210,8 @@ class Starter:
                 wake=not fast and not all_skipped,
                 traceparent=traceparent,
                 tracestate=tracestate,
+                delay=delay_s,
+                run_at=due_at,
             )
         except psycopg.errors.LockNotAvailable as e:
             if fast:

@@ -215,13 +215,16 @@ class Store:
         wake: bool,
         traceparent: str | None = None,
         tracestate: str | None = None,
+        delay: float | None = None,
+        run_at: datetime.datetime | None = None,
     ) -> uuid.UUID | None:
         """Insert a run and its tasks; its id, or None when the idempotency key exists.
 
         `names` and `skipped` are array literals (`text_array`, `bool_array`) of
         the task snapshot; `claim_id` set means inserted already claimed by the
         caller; `wake` sends the pollers' wake-up with it; `traceparent` and
-        `tracestate` are the caller's span context, stored. With `conn`, inside the
+        `tracestate` are the caller's span context, stored; `run_at` (aware) or
+        `delay` (seconds, database clock) make it due later. With `conn`, inside the
         caller's transaction (`WorkflowError` when its database lacks the
         tables). Without, in a transaction of its own that waits at most
         `KEY_WAIT` for a key held by a transaction still open (then
@@ -246,6 +249,8 @@ class Store:
             "wake": wake,
             "traceparent": traceparent,
             "tracestate": tracestate,
+            "delay": delay,
+            "run_at": run_at,
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
@@ -296,6 +301,13 @@ class Store:
             "claims": [uuid.uuid4() for _ in range(limit)],
         }
         return claimed_runs(self._run("claim_runs", params, "claimed_runs"))
+
+    def next_due(self, workflows: Sequence[str]) -> float | None:
+        """Seconds until the earliest unclaimed run of `workflows` is due (negative when
+        overdue), by the database clock; None when there is none."""
+        rows = self._run("next_due", {"workflows": list(workflows)})
+        due: float | None = rows[0][0] if rows else None
+        return due
 
     def heartbeat(self, claims: Sequence[uuid.UUID]) -> set[uuid.UUID]:
         """Refresh the heartbeat of `claims`; the subset still held."""

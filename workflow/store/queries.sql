@@ -8,14 +8,16 @@
 
 
 -- name: insert_run
--- Insert a run and its task snapshot (claimed by the caller when claim_id is set; woken pollers otherwise).
+-- Insert a run and its task snapshot (claimed by the caller when claim_id is set; woken pollers otherwise),
+-- due now, at run_at, or delay seconds from now (database clock).
 -- An idempotency key that a transaction still open has inserted makes the insert wait for that
 -- transaction; with key_wait set, set_config bounds the wait (lock_timeout, for this statement's
 -- own transaction only), evaluated as part of the key's value, before the insert looks for a conflict.
 WITH run AS (
     INSERT INTO workflow_runs (id, workflow, status, idempotency_key, input, input_sealed,
                                context, context_sealed, task_count, current_seq,
-                               claim_id, heartbeat_at, finished_at, traceparent, tracestate)
+                               claim_id, heartbeat_at, finished_at, traceparent, tracestate,
+                               next_retry_at)
     VALUES (%(id)s, %(workflow)s, %(status)s,
             CASE WHEN %(key_wait)s::text IS NULL THEN %(idempotency_key)s
                  ELSE %(idempotency_key)s || left(set_config('lock_timeout', %(key_wait)s, true), 0)
@@ -24,7 +26,10 @@ WITH run AS (
             %(task_count)s, %(current_seq)s, %(claim_id)s,
             CASE WHEN %(claim_id)s::uuid IS NULL THEN NULL ELSE now() END,
             CASE WHEN %(status)s = 'succeeded' THEN now() END,
-            %(traceparent)s, %(tracestate)s)
+            %(traceparent)s, %(tracestate)s,
+            CASE WHEN %(run_at)s::timestamptz IS NOT NULL THEN %(run_at)s::timestamptz
+                 WHEN %(delay)s::float8 IS NOT NULL THEN now() + make_interval(secs => %(delay)s::float8)
+                 ELSE now() END)
     ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, created_at
 ), tasks AS (
@@ -72,17 +77,18 @@ ORDER BY t.seq;
 
 
 -- name: claim_runs
--- Claim up to `limit` claimable runs of the given workflows, oldest first (the poller), the n-th
--- oldest under the n-th of the caller's claim ids.
+-- Claim up to `limit` claimable runs of the given workflows, longest due first (the poller; a new
+-- run is due from its creation, so new runs go in creation order), the n-th under the n-th of the
+-- caller's claim ids. Read through workflow_runs_due: runs due later are never visited.
 WITH pick AS (
-    SELECT id, created_at FROM workflow_runs
+    SELECT id, created_at, next_retry_at FROM workflow_runs
     WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
       AND workflow = ANY(%(workflows)s::text[])
-    ORDER BY created_at, id
+    ORDER BY next_retry_at, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
 ), numbered AS (
-    SELECT id, row_number() OVER (ORDER BY created_at, id) AS n FROM pick
+    SELECT id, row_number() OVER (ORDER BY next_retry_at, created_at, id) AS n FROM pick
 ), claimed AS (
     UPDATE workflow_runs r
     SET claim_id = (%(claims)s::uuid[])[numbered.n], heartbeat_at = now(), status = 'running',
@@ -100,6 +106,12 @@ SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
 
+
+-- name: next_due
+-- Seconds until the earliest unclaimed, unfinished run of the given workflows is due (negative:
+-- overdue; NULL: none); the first entry of workflow_runs_due that matches.
+SELECT extract(epoch FROM min(next_retry_at) - now())::float8 FROM workflow_runs
+WHERE claim_id IS NULL AND finished_at IS NULL AND workflow = ANY(%(workflows)s::text[]);
 
 -- name: claimed_runs
 -- The runs these claims hold, with their snapshots: what a claim whose reply was lost took.
