@@ -54,6 +54,7 @@ def test_chaos_short() -> None:
     assert report.attempts_over == 0, details
     assert report.stale_reads == 0, details
     assert report.unknown_claims == 0, details
+    assert report.ticks_missed == 0, details
     assert result.crashes == 0, details
     assert result.starter_exit == 0, details
     assert result.worker_exits == [0, 0, 0], details
@@ -240,3 +241,32 @@ def test_checks_catch_one_write_counting_two_attempts(
     )
     report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
     assert report.double_counted == 1, report.problems
+
+
+def test_checks_catch_a_tick_that_started_no_run(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    _run_some(make_manager, chaos_db, count=1)
+    # The schedule was registered five minutes before the workers were stopped, and
+    # only one of its ticks started a run: what a scheduler that lost ticks would leave.
+    chaos_db.execute(
+        "INSERT INTO workflow_schedules (name, workflow, cron, timezone, catchup, next_tick, "
+        "created_at) VALUES (%s, 'Chaos.Three', '* * * * *', 'UTC', 'all', now(), "
+        "now() - interval '5 minutes 30 seconds')",
+        (chaos_app.SCHEDULE,),
+    )
+    chaos_db.execute("INSERT INTO chaos_faults (kind, app) VALUES ('stop', 'chaos-w1')")
+    mgr = make_manager(chaos_app.registry(), chaos_app.CONFIG)
+    tick = chaos_db.execute(
+        "SELECT to_char(date_trunc('minute', now() - interval '2 minutes') AT TIME ZONE 'UTC', "
+        "'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"')"
+    ).fetchone()
+    assert tick is not None
+    run = chaos_app.Chaos.start(
+        mgr, chaos_app.Job(n=-1), idempotency_key=f"schedule:{chaos_app.SCHEDULE}:{tick[0]}"
+    )
+    assert run.wait(timeout=30) is workflow.Status.SUCCEEDED
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.ticks == 1
+    assert report.ticks_missed >= 4, report.problems
+    assert any("started no run" in p for p in report.problems)

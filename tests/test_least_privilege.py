@@ -7,7 +7,7 @@ grants, the ones the README shows:
     GRANT CONNECT ON DATABASE <db> TO <role>;
     GRANT USAGE ON SCHEMA public TO <role>;
     GRANT SELECT, INSERT, UPDATE, DELETE
-        ON workflow_runs, workflow_tasks, workflow_events TO <role>;
+        ON workflow_runs, workflow_tasks, workflow_events, workflow_schedules TO <role>;
     GRANT SELECT ON workflow_yoyo_migration TO <role>;
 
 and proves that a Manager and a runnable connecting as that role start (fast path
@@ -36,8 +36,8 @@ import workflow
 GRANTS = [
     "GRANT CONNECT ON DATABASE {db} TO {role}",
     "GRANT USAGE ON SCHEMA public TO {role}",
-    "GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks, workflow_events "
-    "TO {role}",
+    "GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks, workflow_events, "
+    "workflow_schedules TO {role}",
     "GRANT SELECT ON workflow_yoyo_migration TO {role}",
 ]
 
@@ -247,3 +247,22 @@ def test_the_same_role_suffices_for_admin(role_url: str) -> None:
         assert admin.cancel(fork_id).status is workflow.Status.CANCELLED
         assert admin.prune(older_than=0) == 2
         assert admin.stats().workflows == ()
+
+
+def test_the_same_role_fires_schedules(role_url: str) -> None:
+    pytest.importorskip("cronsim")
+    reg = workflow.Registry()
+    reg.register(workflow.define(Order, workflow.handle(reserve, lambda run: run.input)))
+    reg.schedule(workflow.Schedule("hourly", Order, "0 * * * *", input="o-tick"))
+    with workflow.Manager(role_url, reg) as mgr, workflow.Admin(role_url) as admin:
+        scheduler = mgr.new_runnable(workflow.RunnerConfig(listen=False)).scheduler
+        assert scheduler is not None
+        scheduler.register()
+        with psycopg.connect(role_url, autocommit=True) as conn:
+            conn.execute("UPDATE workflow_schedules SET next_tick = now() - interval '1 hour'")
+        assert scheduler.fire_due() == 1
+        admin.pause_schedule("hourly")
+        admin.trigger_schedule("hourly")
+        assert scheduler.fire_due() == 1
+        (state,) = admin.schedules()
+        assert state.paused and state.triggered_at is None

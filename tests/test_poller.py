@@ -1,4 +1,4 @@
-"""SPEC 6: the poller claims runs left for any process, oldest first, within its limits.
+"""SPEC 6: the poller claims runs left for any process, longest due first, within its limits.
 
 It claims only runs of workflows its manager registered (several services may
 share the tables), in order of creation, at most `concurrency` in flight, and a

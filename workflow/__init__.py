@@ -14,6 +14,7 @@ from workflow.admin import (
     RunDetail,
     RunPage,
     RunSummary,
+    ScheduleState,
     TaskState,
     WorkflowStats,
 )
@@ -31,6 +32,7 @@ from workflow.errors import (
     Permanent,
     RegistrationError,
     RunNotFound,
+    ScheduleNotFound,
     WorkflowError,
     code_of,
     is_permanent,
@@ -41,6 +43,7 @@ from workflow.logs import ALERT
 from workflow.manager import Manager
 from workflow.retry import Backoff
 from workflow.run import Failure, Run, RunStatus, Status
+from workflow.schedules import Schedule
 from workflow.sealing import AESGCMCipher, Cipher, Propagation, Propagator, propagate
 from workflow.store import SchemaOutdated
 from workflow.taskrun import TaskRun, new_task_run
@@ -79,6 +82,9 @@ __all__ = [
     "RunStatus",
     "RunSummary",
     "RunnerConfig",
+    "Schedule",
+    "ScheduleNotFound",
+    "ScheduleState",
     "SchemaOutdated",
     "Status",
     "Step",

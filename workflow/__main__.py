@@ -8,6 +8,7 @@
                                                       when no URL is set)
     python -m workflow runs list|show|cancel|resume|fork ...
     python -m workflow prune [--older-than 7d] ...    see and steer runs (admin_cli.py)
+    python -m workflow schedules list|pause|resume|trigger ...
     python -m workflow stats [--json]
 
 The URL defaults to `$WORKFLOW_DATABASE_URL`. Exit codes: 0 success, 1 failure

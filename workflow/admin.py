@@ -27,12 +27,13 @@ import attrs
 from psycopg_pool import ConnectionPool
 
 from workflow.durations import Duration, seconds
-from workflow.errors import NotResumable, RunNotFound, WorkflowError
+from workflow.errors import NotResumable, RunNotFound, ScheduleNotFound, WorkflowError
 from workflow.run import Failure, RunStatus, Status
 from workflow.store import (
     DetailRow,
     ListedRow,
     QueueDepth,
+    ScheduleState,
     Store,
     WorkflowStats,
     check_schema,
@@ -48,6 +49,7 @@ __all__ = [
     "RunDetail",
     "RunPage",
     "RunSummary",
+    "ScheduleState",
     "TaskState",
     "WorkflowStats",
 ]
@@ -387,6 +389,30 @@ class Admin:
         numbers a metrics scrape reads, in one query over partial indexes only (its
         cost follows the open runs, never the finished history)."""
         return tuple(self._store.queue_gauges(self._stale_after))
+
+    # Schedules.
+
+    def schedules(self) -> tuple[ScheduleState, ...]:
+        """Every schedule the workers have registered, by name."""
+        return tuple(self._store.list_schedules())
+
+    def pause_schedule(self, name: str) -> None:
+        """Stop `name` from firing until `resume_schedule`; `ScheduleNotFound` when unknown."""
+        if not self._store.pause_schedule(name, True):
+            raise ScheduleNotFound(f"no schedule is named {name!r}")
+
+    def resume_schedule(self, name: str) -> None:
+        """Let a paused `name` fire again: ticks missed while paused follow its catch-up
+        policy (`latest` fires the most recent one). `ScheduleNotFound` when unknown."""
+        if not self._store.pause_schedule(name, False):
+            raise ScheduleNotFound(f"no schedule is named {name!r}")
+
+    def trigger_schedule(self, name: str) -> None:
+        """Ask for one run of `name` now, paused or not, under an idempotency key of its
+        own (`schedule:{name}:trigger:{when}`): a worker holding the schedule starts it
+        within about a second. `ScheduleNotFound` when unknown."""
+        if not self._store.trigger_schedule(name):
+            raise ScheduleNotFound(f"no schedule is named {name!r}")
 
     # Steering runs.
 

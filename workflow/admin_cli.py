@@ -1,4 +1,4 @@
-"""`python -m workflow runs | prune | stats`: `workflow.Admin` on the command line (SPEC 12).
+"""`python -m workflow runs | prune | schedules | stats`: `workflow.Admin` on the command line.
 
     runs list [--status S]... [--workflow W] [--since 24h|ISO] [--until ...] [--limit N] [--json]
     runs show ID [--json]
@@ -6,6 +6,7 @@
     runs cancel|resume --all-matching [filters] [--dry-run] [--yes]
     runs fork ID [--from-task NAME]
     prune [--older-than 7d] [--status S]... [--dry-run]
+    schedules list [--json]                     schedules pause|resume|trigger NAME
     stats [--json]
 
 A table for a person; `--json` prints one JSON object per line for scripts. Exit
@@ -20,6 +21,7 @@ import datetime
 import json
 import re
 import sys
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -29,7 +31,7 @@ from attrs import AttrsInstance
 
 from workflow._cli import CommandFailed, Parser, UsageError, database_url
 from workflow.admin import Admin, RunDetail, RunSummary
-from workflow.errors import NotResumable, RunNotFound, WorkflowError
+from workflow.errors import NotResumable, RunNotFound, ScheduleNotFound, WorkflowError
 from workflow.run import Status
 
 PROG = "python -m workflow"
@@ -70,7 +72,7 @@ def parse_status(text: str) -> Status:
 
 
 def add_commands(commands: Any, database: argparse.ArgumentParser) -> None:
-    """Add `runs`, `prune` and `stats` to the subcommands of `python -m workflow`."""
+    """Add `runs`, `prune`, `schedules` and `stats` to the subcommands of `python -m workflow`."""
     runs = commands.add_parser(
         "runs", help="list, show, cancel, resume or fork runs",
         description="See and steer runs: list, show, cancel, resume, fork.",
@@ -129,6 +131,23 @@ def add_commands(commands: Any, database: argparse.ArgumentParser) -> None:
     prune.add_argument("--dry-run", action="store_true", help="only say how many")
     prune.set_defaults(func=_cmd_prune)
 
+    schedules = commands.add_parser(
+        "schedules", help="list, pause, resume or trigger cron schedules",
+        description="See and steer the cron schedules the workers have registered.",
+    )
+    verbs = schedules.add_subparsers(dest="action", required=True, metavar="ACTION")
+    listed = verbs.add_parser("list", parents=[database, as_json],
+                              help="every schedule, its next and last tick")
+    listed.set_defaults(func=_cmd_schedules)
+    for name, help_text in (
+        ("pause", "stop a schedule from firing"),
+        ("resume", "let a paused schedule fire again (missed ticks: its catch-up policy)"),
+        ("trigger", "start one run of a schedule now (a worker holding it starts it)"),
+    ):
+        verb = verbs.add_parser(name, parents=[database], help=help_text)
+        verb.add_argument("name", metavar="NAME")
+        verb.set_defaults(func=_cmd_schedule_action)
+
     stats = commands.add_parser("stats", parents=[database, as_json],
                                 help="each workflow's queue")
     stats.add_argument("--stale-after", type=parse_span, default=datetime.timedelta(minutes=10),
@@ -149,7 +168,7 @@ def _admin(args: argparse.Namespace, **options: Any) -> Iterator[Admin]:
     try:
         yield admin
     except WorkflowError as exc:
-        if isinstance(exc, (RunNotFound, NotResumable)):
+        if isinstance(exc, (RunNotFound, NotResumable, ScheduleNotFound)):
             raise
         raise CommandFailed(str(exc)) from None
     finally:
@@ -318,6 +337,54 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedules(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        schedules = admin.schedules()
+    if args.json:
+        for item in schedules:
+            _print_json(item)
+        return 0
+    _print_table(
+        ["NAME", "WORKFLOW", "CRON", "TIMEZONE", "CATCHUP", "NEXT TICK", "LAST TICK", "STATE"],
+        [
+            [s.name, s.workflow, s.cron, s.timezone, s.catchup, _utc(s.next_tick),
+             "-" if s.last_tick is None else _utc(s.last_tick),
+             "orphaned" if s.orphaned else "paused" if s.paused else
+             "triggered" if s.triggered_at is not None else "active"]
+            for s in schedules
+        ],
+    )
+    if not schedules:
+        print("no schedules (a worker whose registry has schedules records them at start)")
+    return 0
+
+
+def _cmd_schedule_action(args: argparse.Namespace) -> int:
+    with _admin(args) as admin:
+        act = {
+            "pause": admin.pause_schedule,
+            "resume": admin.resume_schedule,
+            "trigger": admin.trigger_schedule,
+        }[args.action]
+        try:
+            act(args.name)
+        except ScheduleNotFound as exc:
+            print(str(exc), file=sys.stderr)
+            return 1
+    said = {
+        "pause": f"schedule {args.name!r} paused",
+        "resume": f"schedule {args.name!r} resumed",
+        "trigger": f"schedule {args.name!r} triggered: a worker holding it starts one run "
+                   "within about a second",
+    }
+    print(said[args.action])
+    return 0
+
+
+def _utc(when: datetime.datetime) -> str:
+    return when.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
 # Printing.
 
 
@@ -405,6 +472,8 @@ def _print_json(item: AttrsInstance) -> None:
 def _plain(instance: object, field: object, value: Any) -> Any:
     if isinstance(value, datetime.datetime):
         return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
     if isinstance(value, Status):
         return value.value
     return value

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 
     from workflow.manager import Manager
     from workflow.run import Run
+    from workflow.schedules import Schedule
     from workflow.taskrun import TaskRun
 
 In = TypeVar("In")
@@ -212,6 +213,46 @@ class Registry:
         self._definitions: dict[str, Definition[Any]] = {}
         self._policies: dict[tuple[str, str], RetryPolicy] = {}
         self._output_types: dict[str, Any] = {}
+        self._schedules: dict[str, Schedule[Any]] = {}
+
+    def schedule(self, schedule: Schedule[Any]) -> None:
+        """Add a cron `workflow.Schedule` of a workflow registered here.
+
+        Workers built with this registry fire it (SPEC 14). Raises
+        `RegistrationError` for a frozen registry, a duplicate schedule name, or a
+        workflow not registered in this registry (register it first).
+        """
+        from workflow.schedules import Schedule
+
+        if not isinstance(schedule, Schedule):
+            raise RegistrationError(
+                f"schedule() takes a workflow.Schedule, not {type(schedule).__name__}"
+            )
+        with self._lock:
+            if self._frozen:
+                raise RegistrationError(
+                    f"schedule {schedule.name!r}: the registry is frozen because a Manager "
+                    "was built with it; add schedules before building the Manager"
+                )
+            if schedule.name in self._schedules:
+                raise RegistrationError(
+                    f"schedule {schedule.name!r} is already registered; schedule names are "
+                    "unique"
+                )
+            definition = self._definitions.get(schedule.workflow.name)
+            if (
+                definition is None
+                or definition.workflow.input_type != schedule.workflow.input_type
+            ):
+                raise RegistrationError(
+                    f"schedule {schedule.name!r}: workflow {schedule.workflow.name!r} is not "
+                    "registered in this registry; register(define(...)) it first"
+                )
+            self._schedules[schedule.name] = schedule
+
+    def schedules(self) -> list[Schedule[Any]]:
+        """The registered schedules, in registration order."""
+        return list(self._schedules.values())
 
     def register(self, definition: AnyDefinition) -> None:
         """Validate `definition` and add it.

@@ -46,6 +46,10 @@ class NotResumable(WorkflowError):
     """`Admin.resume` of a run that is neither parked nor cancelled with tasks left."""
 
 
+class ScheduleNotFound(WorkflowError):
+    """An `Admin` schedule action named a schedule no worker has registered."""
+
+
 class Cancelled(WorkflowError):
     """Raised by `TaskRun.raise_if_cancelled()` once the attempt's `cancelled` is set."""
 

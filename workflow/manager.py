@@ -329,7 +329,8 @@ class Manager:
     # Workers and shutdown.
 
     def new_runnable(self, config: RunnerConfig | None = None) -> Runnable:
-        """A poller and sweeper over this manager; call `run()` or `start()` on it.
+        """A poller, sweeper, pruner, scheduler and listener over this manager; call
+        `run()` or `start()` on it.
 
         Raises `WorkflowError` after `close()` or in a forked child.
         """
@@ -345,6 +346,7 @@ class Manager:
             conninfo=conninfo,
             kwargs=dict(kwargs or {}),
             check=lambda: self._check_usable(runnable=True),
+            start_tx=self.start_tx,
         )
         self._runnables.add(runnable)
         return runnable

@@ -1,4 +1,4 @@
-"""A runnable: the poller, the sweeper, the pruner and the listener over one manager's executor.
+"""A runnable: the poller, sweeper, pruner, scheduler and listener over one manager's executor.
 
 What happens at stop (and at SIGTERM, which the worker CLI turns into `stop()`):
 the listener and the poller stop, so nothing new is claimed; then the executor
@@ -22,6 +22,7 @@ from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
 from workflow.poller import Poller
 from workflow.pruner import Pruner
+from workflow.scheduler import Scheduler
 from workflow.service import Service
 from workflow.sweeper import Sweeper
 
@@ -42,6 +43,7 @@ class Runnable:
         conninfo: str,
         kwargs: dict[str, Any],
         check: Callable[[], None],
+        start_tx: Callable[..., Any] | None = None,
     ) -> None:
         self._executor = executor
         self._settings = settings
@@ -55,6 +57,11 @@ class Runnable:
         self._pruner = (
             Pruner(executor, settings.retention, settings.prune_interval)
             if settings.prune_enabled
+            else None
+        )
+        self._scheduler = (
+            Scheduler(executor, executor.registry.schedules(), start_tx, self._poller.wake)
+            if start_tx is not None
             else None
         )
         self._listener = (
@@ -85,6 +92,11 @@ class Runnable:
         """The pruner, or None when pruning is disabled."""
         return self._pruner
 
+    @property
+    def scheduler(self) -> Scheduler | None:
+        """The scheduler (with no schedules it only marks removed ones orphaned)."""
+        return self._scheduler
+
     def start(self) -> None:
         """Start the poller, sweeper and listener threads; returns at once.
 
@@ -97,7 +109,10 @@ class Runnable:
             if self._started or self._stopped.is_set():
                 return
             self._started = True
-            for service in (self._listener, self._sweeper, self._pruner, self._poller):
+            services = (
+                self._listener, self._sweeper, self._pruner, self._scheduler, self._poller
+            )
+            for service in services:
                 if service is not None:
                     service.start()
 
@@ -123,7 +138,7 @@ class Runnable:
 
         with self._lock:
             self._stopped.set()
-        claiming: tuple[Service | None, ...] = (self._listener, self._poller)
+        claiming: tuple[Service | None, ...] = (self._listener, self._scheduler, self._poller)
         for service in claiming:
             if service is not None:
                 service.stop(left())

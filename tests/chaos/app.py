@@ -97,12 +97,22 @@ def _handler(seq: int) -> Any:
     return run_task
 
 
+SCHEDULE = "chaos.minutely"
+"""A schedule every worker fires: each minute's tick must start exactly one run."""
+
+
+def _tick_input(tick: Any) -> Job:
+    return Job(n=-1)
+
+
 def registry() -> workflow.Registry:
-    """A fresh registry with `Chaos.Three`."""
+    """A fresh registry with `Chaos.Three` and its minutely schedule (catch-up: all)."""
     reg = workflow.Registry()
     reg.register(
         workflow.define(Chaos, *(workflow.handle(t, _handler(i + 1)) for i, t in enumerate(TASKS)))
     )
+    reg.schedule(workflow.Schedule(SCHEDULE, Chaos, "* * * * *", input=_tick_input,
+                                   catchup="all"))
     return reg
 
 

@@ -101,6 +101,8 @@ class Report:
     phantom_attempts: int = 0
     double_counted: int = 0
     cancelled: int = 0
+    ticks: int = 0
+    ticks_missed: int = 0
     problems: list[str] = attrs.field(factory=list)
 
     @property
@@ -117,6 +119,7 @@ class Report:
             + self.stale_reads
             + self.unknown_claims
             + self.miscounted
+            + self.ticks_missed
         )
 
     def problem(self, text: str) -> None:
@@ -339,6 +342,10 @@ def check(
                     f"recorded {recorded!r}"
                 )
 
+    # 7. The schedule: one run for each minute's tick between its registration and the
+    # workers' stop (catch-up "all": a tick missed while every worker was down still fires).
+    _check_ticks(r, conn)
+
     # Counts.
     r.re_executions = sum(len(group) - 1 for group in execs_of_task.values() if group)
     r.injected_failures = sum(1 for e in execs if e.outcome == "raised")
@@ -437,3 +444,34 @@ def _writer_claim(
         if at <= w_at and xid != w_xid:
             current = new
     return current  # type: ignore[no-any-return]
+
+
+def _check_ticks(r: Report, conn: psycopg.Connection[Any]) -> None:
+    from .app import SCHEDULE
+
+    row = conn.execute(
+        "SELECT s.created_at, (SELECT min(at) FROM chaos_faults WHERE kind = 'stop') "
+        "FROM workflow_schedules s WHERE s.name = %s",
+        (SCHEDULE,),
+    ).fetchone()
+    if row is None or row[1] is None:
+        return
+    registered, stopped = row
+    keys = [
+        key for (key,) in conn.execute(
+            "SELECT idempotency_key FROM workflow_runs WHERE idempotency_key LIKE %s",
+            (f"schedule:{SCHEDULE}:%",),
+        ).fetchall()
+    ]
+    prefix = f"schedule:{SCHEDULE}:"
+    fired = {key[len(prefix):] for key in keys}
+    r.ticks = len(keys)
+    # Ticks from the first whole minute after registration to 5 s before the stop: each
+    # had at least 5 s with a worker looking.
+    tick = registered.replace(second=0, microsecond=0) + datetime.timedelta(minutes=1)
+    while tick <= stopped - datetime.timedelta(seconds=5):
+        stamp = tick.astimezone(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if stamp not in fired:
+            r.ticks_missed += 1
+            r.problem(f"schedule: the tick {stamp} started no run")
+        tick += datetime.timedelta(minutes=1)

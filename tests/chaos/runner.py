@@ -146,7 +146,8 @@ class Result:
             f"failed_starts={self.starter.get('failed', '?')} "
             f"cut_transactions={self.cut_transactions} uncounted={r.uncounted} "
             f"phantom_attempts={r.phantom_attempts} double_counted={r.double_counted} "
-            f"replacement_failures={self.replacement_failures} seconds={self.seconds:.0f})"
+            f"replacement_failures={self.replacement_failures} ticks={r.ticks} "
+            f"ticks_missed={r.ticks_missed} seconds={self.seconds:.0f})"
         )
 
 

@@ -9,12 +9,13 @@ pool factory and the retries.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import re
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from importlib import resources
 from typing import Any
 
@@ -41,6 +42,7 @@ from workflow.store.rows import (
     EventRow,
     ListedRow,
     QueueDepth,
+    ScheduleState,
     StatusRow,
     SweptRow,
     TaskRow,
@@ -58,6 +60,7 @@ __all__ = [
     "EventRow",
     "ListedRow",
     "QueueDepth",
+    "ScheduleState",
     "SchemaOutdated",
     "StatusRow",
     "Store",
@@ -141,6 +144,19 @@ _Q = _load_queries()
 
 
 _DETAIL_FIELDS = [field.name for field in attrs.fields(DetailRow)][:-1]  # all but tasks
+
+
+_UTC = datetime.timezone.utc
+
+
+def _definitions(mine: Sequence[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """(name, cron, time zone) triples as the three parallel arrays the schedule
+    statements unnest."""
+    return {
+        "names": [m[0] for m in mine],
+        "crons": [m[1] for m in mine],
+        "zones": [m[2] for m in mine],
+    }
 
 
 def _execute(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Rows:
@@ -290,7 +306,8 @@ class Store:
         return runs[0] if runs else None
 
     def claim_runs(self, workflows: Sequence[str], limit: int) -> list[ClaimedRun]:
-        """Claim up to `limit` claimable runs of `workflows`, oldest first.
+        """Claim up to `limit` claimable runs of `workflows`, longest due first (new runs in
+        creation order).
 
         The claim ids are chosen here, so a retry after a lost reply re-selects
         what the lost try claimed instead of stranding it.
@@ -618,6 +635,83 @@ class Store:
         """Per workflow and status: unfinished and parked runs, claimable ones, the oldest
         claimable's age, stale claims (heartbeat older than `stale_after` s)."""
         return [QueueDepth(*row) for row in self._run("queue_gauges", {"stale_after": stale_after})]
+
+    # Schedules.
+
+    def db_now(self) -> datetime.datetime:
+        """The database clock, in UTC."""
+        now: datetime.datetime = self._run("db_now", {})[0][0]
+        return now.astimezone(_UTC)
+
+    def upsert_schedule(
+        self, *, name: str, workflow: str, cron: str, timezone: str, catchup: str,
+        next_tick: datetime.datetime,
+    ) -> None:
+        """Record a registered schedule (`next_tick` is taken when it is new or its cron or
+        time zone changed)."""
+        self._run("upsert_schedule", {
+            "name": name, "workflow": workflow, "cron": cron, "timezone": timezone,
+            "catchup": catchup, "next_tick": next_tick,
+        })
+
+    def orphan_schedules(self, workflows: Sequence[str], names: Sequence[str]) -> list[str]:
+        """Mark orphaned the schedules of `workflows` not among `names`; their names."""
+        rows = self._run("orphan_schedules", {"workflows": list(workflows), "names": list(names)})
+        return [row[0] for row in rows]
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[psycopg.Connection[Any]]:
+        """A pooled connection inside a transaction, committed at the end of the block
+        (rolled back on an exception)."""
+        with self.connections.borrow() as conn, conn.transaction():
+            yield conn
+
+    @staticmethod
+    def claim_schedule(
+        conn: psycopg.Connection[Any], mine: Sequence[tuple[str, str, str]], skip: Sequence[str]
+    ) -> tuple[str, datetime.datetime, datetime.datetime | None, bool, datetime.datetime] | None:
+        """In `conn`'s transaction, lock one due or triggered schedule whose row matches one
+        of `mine` (name, cron, time zone), its name not in `skip`: (name, next tick,
+        triggered at, paused, database now), the times in UTC; or None."""
+        rows = _execute(conn, "claim_schedule", {**_definitions(mine), "skip": list(skip)})
+        if not rows:
+            return None
+        name, next_tick, triggered_at, paused, now = rows[0]
+        return (
+            name, next_tick.astimezone(_UTC),
+            None if triggered_at is None else triggered_at.astimezone(_UTC),
+            paused, now.astimezone(_UTC),
+        )
+
+    @staticmethod
+    def advance_schedule(
+        conn: psycopg.Connection[Any], name: str, *, next_tick: datetime.datetime,
+        last_tick: datetime.datetime | None, last_run: uuid.UUID | None, triggered: bool,
+    ) -> None:
+        """In `conn`'s transaction, record what firing `name` did."""
+        _execute(conn, "advance_schedule", {
+            "name": name, "next_tick": next_tick, "last_tick": last_tick,
+            "last_run": last_run, "triggered": triggered,
+        })
+
+    def next_schedule_due(self, mine: Sequence[tuple[str, str, str]]) -> float | None:
+        """Seconds until the earliest schedule matching one of `mine` (name, cron, time
+        zone) is due or triggered; None when none is."""
+        rows = self._run("next_schedule_due", _definitions(mine))
+        due: float | None = rows[0][0] if rows else None
+        return due
+
+    def list_schedules(self) -> list[ScheduleState]:
+        """Every schedule, by name."""
+        return [ScheduleState(*row) for row in self._run("list_schedules", {})]
+
+    def pause_schedule(self, name: str, paused: bool) -> bool:
+        """Pause or resume `name`; False when there is no such schedule."""
+        return bool(self._run("pause_schedule", {"name": name, "paused": paused}))
+
+    def trigger_schedule(self, name: str) -> bool:
+        """Ask for one run of `name` now; False when there is no such schedule."""
+        return bool(self._run("trigger_schedule", {"name": name}))
 
     # Wake-ups.
 

@@ -489,3 +489,73 @@ WHERE (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))
   AND (%(workflow)s::text IS NULL OR r.workflow = %(workflow)s)
   AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s)
   AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s);
+
+
+-- name: db_now
+-- The database clock.
+SELECT now();
+
+-- name: upsert_schedule
+-- Record a schedule a worker registers; a changed cron or time zone takes the next_tick computed for
+-- it (from now), an unchanged one keeps its own; either way it is no longer orphaned.
+INSERT INTO workflow_schedules AS s (name, workflow, cron, timezone, catchup, next_tick)
+VALUES (%(name)s, %(workflow)s, %(cron)s, %(timezone)s, %(catchup)s, %(next_tick)s)
+ON CONFLICT (name) DO UPDATE
+SET workflow = EXCLUDED.workflow, cron = EXCLUDED.cron, timezone = EXCLUDED.timezone,
+    catchup = EXCLUDED.catchup, orphaned = false, updated_at = now(),
+    next_tick = CASE WHEN (s.cron, s.timezone) IS DISTINCT FROM (EXCLUDED.cron, EXCLUDED.timezone)
+                     THEN EXCLUDED.next_tick ELSE s.next_tick END
+RETURNING name;
+
+-- name: orphan_schedules
+-- Mark orphaned the schedules of these workflows that these names no longer include (removed from the code).
+UPDATE workflow_schedules SET orphaned = true, updated_at = now()
+WHERE workflow = ANY(%(workflows)s::text[]) AND name <> ALL(%(names)s::text[]) AND NOT orphaned
+RETURNING name;
+
+-- name: claim_schedule
+-- Lock one due (or triggered) schedule whose row holds this worker's definition (name, cron, time zone:
+-- during a deploy that changes a cron, only workers of the version the row holds fire it), skipping rows
+-- another worker holds and the names in skip; with the database clock.
+SELECT s.name, s.next_tick, s.triggered_at, s.paused, now() FROM workflow_schedules s
+JOIN unnest(%(names)s::text[], %(crons)s::text[], %(zones)s::text[]) AS mine (name, cron, timezone)
+  ON mine.name = s.name AND mine.cron = s.cron AND mine.timezone = s.timezone
+WHERE s.name <> ALL(%(skip)s::text[]) AND NOT s.orphaned
+  AND ((NOT s.paused AND s.next_tick <= now()) OR s.triggered_at IS NOT NULL)
+ORDER BY s.next_tick
+LIMIT 1
+FOR UPDATE OF s SKIP LOCKED;
+
+-- name: advance_schedule
+-- After firing: the next tick, the last tick and run fired (kept when NULL), a trigger cleared when handled.
+UPDATE workflow_schedules
+SET next_tick = %(next_tick)s, last_tick = coalesce(%(last_tick)s, last_tick),
+    last_run = coalesce(%(last_run)s, last_run),
+    triggered_at = CASE WHEN %(triggered)s THEN NULL ELSE triggered_at END, updated_at = now()
+WHERE name = %(name)s
+RETURNING name;
+
+-- name: next_schedule_due
+-- Seconds until the earliest of these schedules (by this worker's definition) is due or triggered
+-- (negative: overdue; NULL: none).
+SELECT extract(epoch FROM min(CASE WHEN s.triggered_at IS NOT NULL THEN now() ELSE s.next_tick END)
+                          - now())::float8
+FROM workflow_schedules s
+JOIN unnest(%(names)s::text[], %(crons)s::text[], %(zones)s::text[]) AS mine (name, cron, timezone)
+  ON mine.name = s.name AND mine.cron = s.cron AND mine.timezone = s.timezone
+WHERE NOT s.orphaned AND (NOT s.paused OR s.triggered_at IS NOT NULL);
+
+-- name: list_schedules
+-- Every schedule, by name.
+SELECT name, workflow, cron, timezone, catchup, next_tick, last_tick, last_run, paused, orphaned,
+       triggered_at
+FROM workflow_schedules ORDER BY name;
+
+-- name: pause_schedule
+-- Pause or resume one schedule; its name when it exists.
+UPDATE workflow_schedules SET paused = %(paused)s, updated_at = now() WHERE name = %(name)s RETURNING name;
+
+-- name: trigger_schedule
+-- Ask for one run of a schedule now (a worker holding it starts it); its name when it exists.
+UPDATE workflow_schedules SET triggered_at = coalesce(triggered_at, now()), updated_at = now()
+WHERE name = %(name)s RETURNING name;

@@ -201,3 +201,23 @@ class SweptRow:
     task: str | None
     seq: int | None
     attempts: int | None
+
+
+@attrs.frozen
+class ScheduleState:
+    """One schedule as the table holds it (`Admin.schedules`): its definition as the
+    workers last registered it, the next tick to fire, the last tick fired and its
+    run, whether it is paused or orphaned (no longer in the code), and a trigger
+    not yet handled."""
+
+    name: str
+    workflow: str
+    cron: str
+    timezone: str
+    catchup: str
+    next_tick: datetime.datetime
+    last_tick: datetime.datetime | None
+    last_run: uuid.UUID | None
+    paused: bool
+    orphaned: bool
+    triggered_at: datetime.datetime | None
