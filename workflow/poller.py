@@ -14,6 +14,7 @@ more than the free share of `concurrency`.
 from __future__ import annotations
 
 import threading
+import time
 
 from workflow.config import RunnerSettings
 from workflow.executor import Executor
@@ -38,6 +39,17 @@ class Poller(Service):
         self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
         self._running = 0  # this poller's executions in flight, against `concurrency`
         self._lock = threading.Lock()
+        # The earliest due time known (monotonic; None: no run waits), and whether it
+        # must be read again: after a wake-up from outside (a start, a notification,
+        # a sweep), or once it has come. An execution ending here wakes the loop
+        # without that: it frees room, it makes no run due sooner.
+        self._due_at: float | None = None
+        self._due_stale = True
+
+    def wake(self) -> None:
+        """Poll at once, and read the next due time again (a run may have been added)."""
+        self._due_stale = True
+        super().wake()
 
     def stop(self, timeout: float | None = None) -> None:
         """Stop claiming; in-flight executions go on (the executor's drain awaits them)."""
@@ -68,22 +80,32 @@ class Poller(Service):
 
     def _until_next_due(self) -> float:
         """How long to sleep when nothing more is claimable: the poll interval, or less
-        when a run (delayed, or waiting out a backoff) falls due sooner."""
+        when a run (delayed, or waiting out a backoff) falls due sooner. The due time
+        is read only when it may have changed (see `_due_stale`)."""
         interval = self._settings.poll_interval
-        try:
-            due = self._executor.store.next_due(self._workflows)
-        except Exception:
-            self._executor.log.exception("poller: reading the next due time failed")
+        known = self._due_at
+        if not self._due_stale and known is not None and known <= time.monotonic():
+            self._due_stale = True  # it came, and the claim took it (or passed it over)
+        if self._due_stale:
+            self._due_stale = False
+            try:
+                due = self._executor.store.next_due(self._workflows)
+            except Exception:
+                self._executor.log.exception("poller: reading the next due time failed")
+                self._due_stale = True
+                return interval
+            self._due_at = None if due is None else time.monotonic() + due
+        if self._due_at is None:
             return interval
-        if due is None:
-            return interval
-        if due <= 0:
+        left = self._due_at - time.monotonic()
+        if left <= 0:
             # Due, yet the claim just passed it over: locked by another poller's
             # claim (gone in a moment) or by a transaction still open. Look again
             # soon, not in a loop.
+            self._due_stale = True
             return min(interval, OVERDUE_RETRY)
         # A little past the due time: the claim compares with the database clock.
-        return min(interval, due + 0.005)
+        return min(interval, left + 0.005)
 
     def _hand_over(self, run: ClaimedRun) -> None:
         executor = self._executor
@@ -104,4 +126,4 @@ class Poller(Service):
         finally:
             with self._lock:
                 self._running -= 1
-            self.wake()
+            self._wake.set()  # room to claim again; no run became due sooner
