@@ -150,3 +150,31 @@ def test_a_poller_sleeps_until_the_earliest_due_run_not_its_poll_interval(
         wait_until(lambda: _status(db, run.id) == "succeeded", "the poller to run it", timeout=15)
     finally:
         runnable.stop()
+
+
+def test_a_retry_this_worker_released_for_later_is_picked_up_about_when_due(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """Its own executions' releases wake nothing from outside: the poller reads the due
+    time again within a second of an execution ending, not after its poll interval."""
+    def flaky(run: workflow.TaskRun[Inp]) -> Out:
+        if run.attempt == 1:
+            raise RuntimeError("once")
+        return Out("a")
+
+    # 6 s is above max_in_process_backoff (5 s): the claim is released until then.
+    reg, wf = registry(workflow.handle(A, flaky, backoff_schedule=[6]))
+    mgr = make_manager(reg)
+    with db.transaction():
+        run = wf.start_tx(db, mgr, Inp(1))
+    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, poll_interval=60))
+    runnable.start()
+    try:
+        wait_until(lambda: _status(db, run.id) == "succeeded", "the retry", timeout=20)
+    finally:
+        runnable.stop()
+    (failed_at, done_at) = db.execute(
+        "SELECT failed_at, finished_at FROM workflow_tasks WHERE run_id = %s", (run.id,)
+    ).fetchone() or (None, None)
+    late = (done_at - failed_at).total_seconds() - 6
+    assert -0.1 < late < 2.5, f"retried {late:.2f}s after it was due"

@@ -22,6 +22,9 @@ from workflow.runthreads import RunThreads
 from workflow.service import Service
 from workflow.store import ClaimedRun
 
+DUE_REREAD = 1.0
+"""The shortest time between two reads of the next due time caused by executions ending
+here (a wake-up from outside always reads it)."""
 OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
 
@@ -45,6 +48,11 @@ class Poller(Service):
         # without that: it frees room, it makes no run due sooner.
         self._due_at: float | None = None
         self._due_stale = True
+        # An execution that ended here may have released its run for a later retry:
+        # that makes the due time stale too, but is read again at most every
+        # `DUE_REREAD` seconds (a busy worker ends many executions a second).
+        self._due_changed_here = False
+        self._due_read_at = -float("inf")
 
     def wake(self) -> None:
         """Poll at once, and read the next due time again (a run may have been added)."""
@@ -84,10 +92,14 @@ class Poller(Service):
         is read only when it may have changed (see `_due_stale`)."""
         interval = self._settings.poll_interval
         known = self._due_at
-        if not self._due_stale and known is not None and known <= time.monotonic():
+        now = time.monotonic()
+        if not self._due_stale and known is not None and known <= now:
             self._due_stale = True  # it came, and the claim took it (or passed it over)
+        if self._due_changed_here and now - self._due_read_at >= DUE_REREAD:
+            self._due_stale = True
         if self._due_stale:
-            self._due_stale = False
+            self._due_stale = self._due_changed_here = False
+            self._due_read_at = now
             try:
                 due = self._executor.store.next_due(self._workflows)
             except Exception:
@@ -95,6 +107,8 @@ class Poller(Service):
                 self._due_stale = True
                 return interval
             self._due_at = None if due is None else time.monotonic() + due
+        if self._due_changed_here:  # not read again yet: wake up when it may be
+            interval = min(interval, max(DUE_REREAD - (now - self._due_read_at), 0.005))
         if self._due_at is None:
             return interval
         left = self._due_at - time.monotonic()
@@ -126,4 +140,5 @@ class Poller(Service):
         finally:
             with self._lock:
                 self._running -= 1
-            self._wake.set()  # room to claim again; no run became due sooner
+            self._due_changed_here = True  # it may have left its run for a later retry
+            self._wake.set()  # room to claim again
