@@ -65,13 +65,17 @@ def test_hung_handler_is_swept_after_sweep_max_age_with_its_attempt_counted(
         deadline = time.monotonic() + 20
         swept = 0
         while swept == 0:
-            stale = db.execute(
-                "SELECT now() - heartbeat_at > interval '1 second' FROM workflow_runs "
-                "WHERE id = %s",
-                (run.id,),
+            # The heartbeat read before the sweep, the clock read after it: a claim the
+            # sweep took must have been a second old by the time the sweep ended (a
+            # check of "stale now" before the sweep would race the claim's ageing).
+            beat_before = db.execute(
+                "SELECT heartbeat_at FROM workflow_runs WHERE id = %s", (run.id,)
             ).fetchone()[0]
             swept = sweeper.sweep()
-            assert swept == 0 or stale, "only a claim older than sweep_max_age is swept"
+            after = db.execute("SELECT clock_timestamp()").fetchone()[0]
+            assert swept == 0 or (after - beat_before).total_seconds() > 1.0, (
+                "only a claim older than sweep_max_age is swept"
+            )
             assert time.monotonic() < deadline, "the hung claim was never swept"
             time.sleep(0.05)
         assert swept == 1
