@@ -108,6 +108,7 @@ def _status(db: psycopg.Connection[Any], run_id: str) -> str | None:
     return None if row is None else str(row[0])
 
 
+@pytest.mark.direct("a LISTENing worker learns of the new due time from the insert's wake-up")
 def test_a_worker_polling_every_30s_picks_a_delayed_run_up_about_when_it_is_due(
     make_manager: Any, db: psycopg.Connection[Any], engine_url: str
 ) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 import psycopg
 import pytest
 from helpers import Inp, Out, registry, wait_until
+from pgbouncer import worker_args
 from worker_apps.harness import ROOT, WorkerProcess
 
 import workflow
@@ -255,7 +256,9 @@ def test_three_workers_start_one_run_per_tick(
     _, scheduler = _scheduler(make_manager)
     scheduler.register()
     _backdate(db, "nightly", 49)  # 50 ticks due at once
-    workers = [WorkerProcess(APP, engine_url, "--poll-interval", "0.2") for _ in range(3)]
+    workers = [
+        WorkerProcess(APP, engine_url, *worker_args("--poll-interval", "0.2")) for _ in range(3)
+    ]
     try:
         for worker in workers:
             worker.wait_started()
@@ -313,7 +316,7 @@ def _worker_with_env(env: dict[str, str], engine_url: str) -> WorkerProcess:
     os.environ.clear()
     os.environ.update(env)
     try:
-        return WorkerProcess(APP, engine_url, "--poll-interval", "0.2")
+        return WorkerProcess(APP, engine_url, *worker_args("--poll-interval", "0.2"))
     finally:
         os.environ.clear()
         os.environ.update(saved)
