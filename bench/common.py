@@ -249,3 +249,39 @@ def closed_loop(
         "cpu_ms_per_run": (cpu1 - cpu0) * 1000.0 / n if n else None,
         **latency_summary(lat),
     }
+
+
+def slice_loops(
+    one: Any, threads: int, seconds: float, base: int
+) -> tuple[int, float]:
+    """`threads` closed loops calling `one(thread_index, n)` for `seconds` (n counts up
+    from `base + thread_index * 1_000_000`): (calls finished, this process's CPU seconds
+    over the slice). The first exception of a loop stops them all and is raised."""
+    import threading
+
+    stop = threading.Event()
+    counts = [0] * threads
+    errors: list[BaseException] = []
+
+    def loop(i: int) -> None:
+        n = base + i * 1_000_000
+        try:
+            while not stop.is_set():
+                one(i, n)
+                counts[i] += 1
+                n += 1
+        except BaseException as e:
+            errors.append(e)
+            stop.set()
+
+    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
+    cpu0 = time.process_time()
+    for w in workers:
+        w.start()
+    stop.wait(seconds)
+    stop.set()
+    for w in workers:
+        w.join(30)
+    if errors:
+        raise errors[0]
+    return sum(counts), time.process_time() - cpu0

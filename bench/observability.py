@@ -29,13 +29,11 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from typing import Any
 
 import workflow
 from bench.apps import Order, OrderFlow, order_registry
-from bench.common import emit, log, scratch_db
+from bench.common import emit, log, scratch_db, slice_loops
 from workflow.store import migrate
 
 NO_SDK = ("off", "metrics", "api", "metrics+api")
@@ -56,35 +54,13 @@ def _manager(url: str, variant: str) -> workflow.Manager:
 
 def _slice(mgr: workflow.Manager, threads: int, seconds: float, base: int) -> tuple[int, float]:
     """Runs finished by `threads` closed loops in `seconds`, and the process CPU per run."""
-    stop = threading.Event()
-    counts = [0] * threads
-    errors: list[BaseException] = []
 
-    def loop(i: int) -> None:
-        n = base + i * 1_000_000
-        try:
-            while not stop.is_set():
-                run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
-                if run.wait(timeout=30) is not workflow.Status.SUCCEEDED:
-                    raise RuntimeError(f"run {run.id} ended {run.status().status}")
-                counts[i] += 1
-                n += 1
-        except BaseException as e:
-            errors.append(e)
-            stop.set()
+    def one(i: int, n: int) -> None:
+        run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
+        if run.wait(timeout=30) is not workflow.Status.SUCCEEDED:
+            raise RuntimeError(f"run {run.id} ended {run.status().status}")
 
-    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
-    cpu0 = time.process_time()
-    for w in workers:
-        w.start()
-    stop.wait(seconds)
-    stop.set()
-    for w in workers:
-        w.join(30)
-    cpu = time.process_time() - cpu0
-    if errors:
-        raise errors[0]
-    runs = sum(counts)
+    runs, cpu = slice_loops(one, threads, seconds, base)
     return runs, cpu / max(runs, 1)
 
 

@@ -30,8 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import threading
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +39,7 @@ import psycopg
 
 import workflow
 from bench.apps import Order, OrderFlow, order_registry
-from bench.common import emit, log, scratch_db
+from bench.common import emit, log, scratch_db, slice_loops
 from workflow.store import migrate
 
 DB = "bench_typed"
@@ -161,36 +159,6 @@ class _Server:
         self._conn.close()
 
 
-def _slice(one: Callable[[int, int], None], threads: int, seconds: float, base: int
-           ) -> tuple[int, float]:
-    stop = threading.Event()
-    counts = [0] * threads
-    errors: list[BaseException] = []
-
-    def loop(i: int) -> None:
-        n = base + i * 1_000_000
-        try:
-            while not stop.is_set():
-                one(i, n)
-                counts[i] += 1
-                n += 1
-        except BaseException as e:
-            errors.append(e)
-            stop.set()
-
-    workers = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(threads)]
-    cpu0 = time.process_time()
-    for w in workers:
-        w.start()
-    stop.wait(seconds)
-    stop.set()
-    for w in workers:
-        w.join(30)
-    if errors:
-        raise errors[0]
-    return sum(counts), time.process_time() - cpu0
-
-
 def measure(url: str, threads: int, rounds: int, seconds: float) -> dict[str, Any]:
     mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
     conns = [psycopg.connect(url, autocommit=True) for _ in range(threads)]
@@ -210,12 +178,12 @@ def measure(url: str, threads: int, rounds: int, seconds: float) -> dict[str, An
     samples: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     try:
         for name in names:
-            _slice(engines[name], threads, 0.5, 0)  # warm up
+            slice_loops(engines[name], threads, 0.5, 0)  # warm up
         base = 1
         for r in range(rounds):
             for name in names[r % 3:] + names[: r % 3]:
                 cpu0, wal0, xid0 = server.read()
-                runs, client = _slice(engines[name], threads, seconds, base)
+                runs, client = slice_loops(engines[name], threads, seconds, base)
                 cpu1, wal1, xid1 = server.read()
                 base += 10_000_000
                 per = max(runs, 1)
