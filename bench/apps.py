@@ -116,3 +116,34 @@ def order_registry() -> workflow.Registry:
     reg = workflow.Registry()
     reg.register(workflow.define(OrderFlow, *order_steps()))
     return reg
+
+
+@attrs.frozen
+class Payment:
+    account: int
+    n: int
+
+
+@attrs.frozen
+class Paid:
+    n: int
+
+
+Keyed = workflow.Workflow("Bench.Keyed", Payment)
+Unkeyed = workflow.Workflow("Bench.Unkeyed", Payment)
+pay = workflow.Task("bench.pay", Paid)
+
+
+def _pay(run: workflow.TaskRun[Payment]) -> Paid:
+    return Paid(run.input.n)
+
+
+def keys_factory() -> workflow.Registry:
+    """`Bench.Keyed` (one run per account at once, SPEC 15) and its unkeyed twin
+    `Bench.Unkeyed`: one task returning a small attrs output."""
+    reg = workflow.Registry()
+    reg.register(
+        workflow.define(Keyed, workflow.handle(pay, _pay), concurrency_key=lambda p: p.account)
+    )
+    reg.register(workflow.define(Unkeyed, workflow.handle(pay, _pay)))
+    return reg

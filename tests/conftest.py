@@ -225,3 +225,26 @@ def logs(request: pytest.FixtureRequest) -> Iterator[tuple[logging.Logger, Recor
     logger.addHandler(records)
     yield logger, records
     logger.removeHandler(records)
+
+
+@pytest.fixture
+def spawn(engine_url: str) -> Iterator[Any]:
+    """`spawn(app, *args)` starts a `python -m workflow.worker --app app` subprocess on the
+    test's database (`worker_apps.harness.WorkerProcess`); all are killed afterwards.
+
+    Behind PgBouncer (`$WORKFLOW_TEST_PGBOUNCER`) the workers connect through it,
+    poll-only (`--no-listen`).
+    """
+    from pgbouncer import worker_args
+    from worker_apps.harness import WorkerProcess
+
+    started: list[WorkerProcess] = []
+
+    def start(app: str, *args: str) -> WorkerProcess:
+        worker = WorkerProcess(app, engine_url, *worker_args(*args))
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.kill()

@@ -55,6 +55,8 @@ def test_chaos_short() -> None:
     assert report.stale_reads == 0, details
     assert report.unknown_claims == 0, details
     assert report.ticks_missed == 0, details
+    assert report.keyed_runs > 0 and report.key_holds >= report.keyed_runs, result.summary()
+    assert report.key_overlaps == 0 and report.unheld_claims == 0, details
     assert result.crashes == 0, details
     assert result.starter_exit == 0, details
     assert result.worker_exits == [0, 0, 0], details
@@ -102,6 +104,40 @@ def test_checks_pass_on_honest_runs(chaos_db: psycopg.Connection[Any], make_mana
     assert report.executions == 13  # 4 runs x 3 tasks, and one injected retry
     assert report.re_executions == 1 and report.injected_failures == 1
     assert report.fast_path_executions == 13
+
+
+def test_checks_catch_two_runs_of_one_key_holding_it_at_once(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    ids = _run_some(make_manager, chaos_db, count=7)  # runs 0, 3 and 6 have accounts
+    keyed = chaos_db.execute(
+        "SELECT id FROM workflow_runs WHERE concurrency_key IS NOT NULL ORDER BY created_at"
+    ).fetchall()
+    assert len(keyed) == 3
+    assert check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid()).violations == 0
+    # Runs 0 and 3 are different accounts; give run 3 run 0's key over run 0's hold.
+    chaos_db.execute(
+        "UPDATE workflow_runs SET concurrency_key = (SELECT concurrency_key FROM "
+        "workflow_runs WHERE id = %s) WHERE id = %s", (keyed[0][0], keyed[1][0]),
+    )
+    chaos_db.execute(
+        "INSERT INTO chaos_key_holds (run_id, key, old_slot, new_slot, at) "
+        "SELECT %s, key, NULL, 0, at + interval '1 microsecond' FROM chaos_key_holds "
+        "WHERE run_id = %s AND new_slot IS NOT NULL",
+        (keyed[1][0], keyed[0][0]),
+    )
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.key_overlaps >= 1, report.problems
+    assert len(ids) == 7
+
+
+def test_checks_catch_a_keyed_run_claimed_without_its_key(
+    chaos_db: psycopg.Connection[Any], make_manager: Any
+) -> None:
+    _run_some(make_manager, chaos_db, count=1)
+    chaos_db.execute("DELETE FROM chaos_key_holds")
+    report = check(chaos_db, chaos_app.MAX_ATTEMPTS, os.getpid())
+    assert report.unheld_claims == 1, report.problems
 
 
 def test_checks_catch_a_stale_output_written_over_a_recorded_one(

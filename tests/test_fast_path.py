@@ -131,19 +131,19 @@ def test_fast_path_run_is_inserted_already_claimed(
     run = WF.start(mgr, BLOCK)
     h.wait_entered()
     row = db.execute(
-        "SELECT status, claim_id, heartbeat_at, created_at, xmin::text, "
+        "SELECT status, claim_id, heartbeat_at, next_retry_at, xmin::text, "
         "       (SELECT array_agg(DISTINCT t.xmin::text) FROM workflow_tasks t "
         "        WHERE t.run_id = r.id) "
         "FROM workflow_runs r WHERE id = %s",
         (run.id,),
     ).fetchone()
     assert row is not None
-    status, claim_id, heartbeat_at, created_at, run_xmin, task_xmins = row
+    status, claim_id, heartbeat_at, due_at, run_xmin, task_xmins = row
     assert status == "running"
     assert claim_id is not None
     # Claimed in the inserting transaction: the same now() stamped both columns,
     # and the run row was not rewritten by a second (claiming) statement.
-    assert heartbeat_at == created_at
+    assert heartbeat_at == due_at
     assert task_xmins == [run_xmin]
     assert run.status().status is workflow.Status.RUNNING
     h.gate.set()

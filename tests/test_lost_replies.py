@@ -48,6 +48,7 @@ OUTPUT = "SET output = $"
 RELEASE = "SET claim_id = NULL, heartbeat_at = NULL"
 CANCEL = "SET status = 'cancelled'"
 RESUME = "SET status = 'running', finished_at = NULL"
+CLAIM_KEY_HEADS = "key_slot = numbered.slot"
 
 
 @pytest.fixture
@@ -188,6 +189,63 @@ def test_an_unkeyed_start_whose_insert_reply_is_lost_runs_once(
     assert run.wait(timeout=10) is Status.SUCCEEDED
     assert calls.attempts == [1]
     assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
+
+
+def keyed_registry(calls: Calls, gate: threading.Event | None = None) -> tuple[Any, Any]:
+    """One workflow whose runs are limited to one per `Inp.n` at once (SPEC 15)."""
+    def fn(run: workflow.TaskRun[Inp]) -> Out:
+        calls.add(run.attempt)
+        if gate is not None:
+            gate.wait(20)
+        return Out("ok")
+
+    wf = workflow.Workflow("W", Inp)
+    reg = workflow.Registry()
+    reg.register(
+        workflow.define(wf, workflow.handle(A, fn, timeout=1), concurrency_key=lambda i: i.n)
+    )
+    return reg, wf
+
+
+def test_a_start_taking_its_keys_slot_whose_reply_is_lost_runs_once_and_frees_it(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any]
+) -> None:
+    calls = Calls()
+    reg, wf = keyed_registry(calls)
+    mgr = manager(reg)
+    proxy.drop_reply(INSERT)
+    run = wf.start(mgr, Inp(1))
+    assert proxy.dropped == 1
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert calls.attempts == [1]
+    assert db.execute("SELECT count(*), count(key_slot) FROM workflow_runs").fetchone() == (1, 0)
+
+
+def test_a_key_slot_claim_whose_reply_is_lost_executes_what_it_claimed(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any],
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    """The poller's claim of a key's waiting run re-selects what its lost try claimed:
+    otherwise the run would hold its key's slot under a claim no executor knows."""
+    calls = Calls()
+    reg, wf = keyed_registry(calls)
+    mgr = manager(reg, workflow.Config(sweep_max_age=3, max_in_process_backoff=0))
+    with db.transaction():
+        runs = [wf.start_tx(db, mgr, Inp(1)) for _ in range(2)]
+    proxy.drop_reply(CLAIM_KEY_HEADS)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.2, sweep_interval=0.5, listen=False)
+    )
+    runnable.start()
+    try:
+        proxy.wait_dropped(1)
+        for run in runs:
+            assert run.wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        runnable.stop(timeout=10)
+    assert calls.attempts == [1, 1]
+    assert [tasks(db, run.id) for run in runs] == [[(1, 0, None)]] * 2
+    no_claim_lost(logs[1])
 
 
 # --- writes under a claim --------------------------------------------------------------

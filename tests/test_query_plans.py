@@ -2,7 +2,7 @@
 
 A table full of finished runs (plus a handful of claimable and claimed ones) is
 analysed, then the store's own statements are EXPLAINed with real parameters. The
-claim query must go through the partial index `workflow_runs_due`, the sweep
+claim query must go through the partial index `workflow_runs_ready`, the sweep
 through `workflow_runs_claimed`, and neither (nor the claim by id) may scan
 `workflow_runs` or `workflow_tasks` sequentially: their cost must not grow with the
 number of finished runs. A later change to the queries or the indexes that loses
@@ -144,7 +144,7 @@ def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> 
 # Either partial index of the open, unclaimed runs (same predicate): the planner may
 # pick the one whose order suits it.
 OPEN_RUNS = "an index of the open unclaimed runs"
-OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_due")
+OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_due", "workflow_runs_ready")
 
 
 def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
@@ -157,18 +157,18 @@ def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
     assert row == (FINISHED_RUNS, 15, 10)
 
 
-def test_claim_runs_uses_the_due_index(plan_db: psycopg.Connection[Any]) -> None:
+def test_claim_runs_uses_the_ready_index(plan_db: psycopg.Connection[Any]) -> None:
     plan = _plan(
         plan_db,
         "claim_runs",
         {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)},
     )
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_due"), scans
+    assert _uses_index(scans, "workflow_runs_ready"), scans
     _assert_no_seq_scan(scans)
 
 
-def test_claim_runs_of_several_workflows_uses_the_due_index(
+def test_claim_runs_of_several_workflows_uses_the_ready_index(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     plan = _plan(
@@ -177,7 +177,7 @@ def test_claim_runs_of_several_workflows_uses_the_due_index(
         {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100, "claims": _claims(100)},
     )
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_due"), scans
+    assert _uses_index(scans, "workflow_runs_ready"), scans
     _assert_no_seq_scan(scans)
 
 
@@ -370,7 +370,7 @@ def test_the_claim_never_visits_the_runs_due_next_year(
     """SPEC 14: the claim's cost does not grow with the delayed runs waiting."""
     params = {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)}
     scans = _scans(_plan(delayed_db, "claim_runs", params))
-    assert _uses_index(scans, "workflow_runs_due"), scans
+    assert _uses_index(scans, "workflow_runs_ready"), scans
     _assert_no_seq_scan(scans)
     sql = psycopg.ClientCursor(delayed_db).mogrify(_Q["claim_runs"], params)
     with delayed_db.transaction(force_rollback=True):
@@ -384,5 +384,173 @@ def test_the_claim_never_visits_the_runs_due_next_year(
 @pytest.mark.slow
 def test_the_next_due_time_is_one_index_probe(delayed_db: psycopg.Connection[Any]) -> None:
     scans = _scans(_plan(delayed_db, "next_due", {"workflows": ["Transfer.Send"]}))
-    assert _uses_index(scans, "workflow_runs_due"), scans
+    assert _uses_index(scans, "workflow_runs_ready"), scans
     _assert_no_seq_scan(scans)
+
+
+# Per-key limits (SPEC 15): a busy key's backlog costs the other claims nothing, and the
+# keyed claim reads each waiting key, not each waiting run.
+
+BUSY_KEYS = 200
+WAITING_PER_KEY = 100
+
+
+@pytest.fixture(scope="module")
+def keyed_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
+    """A migrated database where 200 keys each have a run holding their slot and 100 runs
+    waiting (20k in all, created before everything else), 5 keys with a free slot and 3
+    runs waiting each, and 20 unkeyed runs due now; analysed."""
+    name = create_database(pg_url, template_db)
+    try:
+        with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at, concurrency_key, key_slot,
+                                           claim_id, heartbeat_at)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'running', '{}'::jsonb, 1, 1,
+                       now() - interval '2 days', now() - interval '2 days',
+                       sha256(k::text::bytea), 0, gen_random_uuid(), now()
+                FROM generate_series(1, %(keys)s) AS k
+                """,
+                {"keys": BUSY_KEYS},
+            )
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at, concurrency_key)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+                       now() - interval '1 day', now() - interval '1 day' + i * interval '1 ms',
+                       sha256((i %% %(keys)s + 1)::text::bytea)
+                FROM generate_series(1, %(n)s) AS i
+                """,
+                {"keys": BUSY_KEYS, "n": BUSY_KEYS * WAITING_PER_KEY},
+            )
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at, concurrency_key)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+                       now() - interval '1 hour', now() - interval '1 hour' + i * interval '1 ms',
+                       sha256(('free' || i % 5)::bytea)
+                FROM generate_series(1, 15) AS i
+                """
+            )
+            conn.execute(
+                """
+                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                           next_retry_at, created_at)
+                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+                       now() - interval '1 minute', now() - interval '1 minute'
+                FROM generate_series(1, 20)
+                """
+            )
+            conn.execute(
+                "INSERT INTO workflow_tasks (run_id, seq, name) "
+                "SELECT id, 1, 'task.1' FROM workflow_runs"
+            )
+            conn.execute("ANALYZE workflow_runs")
+            conn.execute("ANALYZE workflow_tasks")
+            yield conn
+    finally:
+        drop_database(pg_url, name)
+
+
+def _analyzed(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> tuple[
+    dict[str, Any], list[Any]
+]:
+    """The EXPLAIN ANALYZE plan of statement `name` and the rows it returned (rolled back)."""
+    sql = psycopg.ClientCursor(conn).mogrify(_Q[name], params)
+    with conn.transaction(force_rollback=True):
+        rows = conn.execute(sql).fetchall()
+    with conn.transaction(force_rollback=True):
+        row = conn.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql).fetchone()
+    assert row is not None
+    return row[0][0]["Plan"], rows
+
+
+@pytest.mark.slow
+def test_the_claim_of_ready_runs_never_visits_a_busy_keys_backlog(
+    keyed_db: psycopg.Connection[Any],
+) -> None:
+    """20k keyed runs waiting, due before any other: the ready claim skips them all."""
+    params = {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)}
+    scans = _scans(_plan(keyed_db, "claim_runs", params))
+    assert _uses_index(scans, "workflow_runs_ready"), scans
+    _assert_no_seq_scan(scans)
+    plan, rows = _analyzed(keyed_db, "claim_runs", params)
+    assert len({row[0] for row in rows}) == 10
+    print(f"\nready claim past 20k keyed runs waiting: {_buffers(plan)} pages")
+    assert _buffers(plan) < 400, _buffers(plan)
+
+
+@pytest.mark.slow
+def test_the_keyed_claim_reads_each_waiting_key_once_not_each_waiting_run(
+    keyed_db: psycopg.Connection[Any],
+) -> None:
+    """205 keys with runs waiting (200 busy, 5 free), all read (`visit` above 205): the
+    claim takes the 5 free keys' oldest runs, reading a few pages per key, not the 20k
+    runs waiting behind the busy ones."""
+    params = {
+        "workflows": ["Transfer.Send"], "limits": [1], "limit": 10, "claims": _claims(10),
+        "start": bytes(32), "visit": 300,
+    }
+    scans = _scans(_plan(keyed_db, "claim_key_heads", params))
+    _assert_no_seq_scan(scans)
+    assert _uses_index(scans, "workflow_runs_key_queue"), scans
+    plan, rows = _analyzed(keyed_db, "claim_key_heads", params)
+    claimed = {row[0] for row in rows}
+    assert len(claimed) == 5  # one per free key: the busy keys' runs wait
+    print(f"\nkeyed claim, all 205 keys read: {_buffers(plan)} pages")
+    # Per key: a probe of the queue, of the slots, and of its head. 205 keys: well
+    # under the ~20 pages per key a walk of their runs would read.
+    assert _buffers(plan) < 20 * (BUSY_KEYS + 5), _buffers(plan)
+
+
+@pytest.mark.slow
+def test_a_keyed_claim_reads_at_most_visit_keys_from_where_it_starts(
+    keyed_db: psycopg.Connection[Any],
+) -> None:
+    """With `visit` 16 it reads 16 keys, wrapping round past the last digest: its cost is
+    bounded whatever the number of busy keys."""
+    params = {
+        "workflows": ["Transfer.Send"], "limits": [1], "limit": 10, "claims": _claims(10),
+        "start": b"\xff" * 31 + b"\x00", "visit": 16,
+    }
+    plan, _ = _analyzed(keyed_db, "claim_key_heads", params)
+    print(f"\nkeyed claim, 16 keys read: {_buffers(plan)} pages")
+    # The whole walk of the 205 keys reads about 2,000 pages (the test above).
+    assert _buffers(plan) < 20 * 16 * 2, _buffers(plan)
+
+
+@pytest.mark.slow
+def test_the_claim_of_one_keys_next_run_is_a_few_index_probes(
+    keyed_db: psycopg.Connection[Any],
+) -> None:
+    """What a worker runs after each keyed run: no walk of the open runs (by primary key)."""
+    key = keyed_db.execute("SELECT sha256(('free' || 1)::bytea)").fetchone()
+    assert key is not None
+    params = {
+        "workflow": "Transfer.Send", "concurrency_key": key[0], "concurrency": 1,
+        "claim_id": uuid.uuid4(), "claims": _claims(1),
+    }
+    scans = _scans(_plan(keyed_db, "claim_key_head", params))
+    _assert_no_seq_scan(scans)
+    assert not _uses_index(scans, "workflow_runs_ready"), scans
+    assert not _uses_index(scans, "workflow_runs_due"), scans
+    plan, rows = _analyzed(keyed_db, "claim_key_head", params)
+    assert len({row[0] for row in rows}) == 1
+    print(f"\none key's next run: {_buffers(plan)} pages")
+    assert _buffers(plan) < 60, _buffers(plan)
+
+
+@pytest.mark.slow
+def test_the_next_due_time_skips_keyed_runs_waiting_for_their_key(
+    keyed_db: psycopg.Connection[Any],
+) -> None:
+    scans = _scans(_plan(keyed_db, "next_due", {"workflows": ["Transfer.Send"]}))
+    _assert_no_seq_scan(scans)
+    row = keyed_db.execute(_Q["next_due"], {"workflows": ["Transfer.Send"]}).fetchone()
+    assert row is not None
+    # The unkeyed runs, due a minute ago, not the keyed ones waiting since a day.
+    assert -70 < row[0] < -50, row

@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pgbouncer
@@ -37,25 +37,6 @@ def ledger(db: psycopg.Connection[Any]) -> psycopg.Connection[Any]:
     """The test database's connection, with the `ledger` table created."""
     db.execute(CREATE_TABLE)
     return db
-
-
-@pytest.fixture
-def spawn(engine_url: str) -> Iterator[Spawn]:
-    """`spawn(app, *args)` starts a worker on the test's database; all are killed afterwards.
-
-    Behind PgBouncer (`$WORKFLOW_TEST_PGBOUNCER`) the workers connect through it,
-    poll-only (`--no-listen`).
-    """
-    started: list[WorkerProcess] = []
-
-    def start(app: str, *args: str) -> WorkerProcess:
-        worker = WorkerProcess(app, engine_url, *pgbouncer.worker_args(*args))
-        started.append(worker)
-        return worker
-
-    yield start
-    for worker in started:
-        worker.kill()
 
 
 def start_runs(

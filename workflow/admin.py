@@ -117,12 +117,19 @@ class HistoryEntry:
 @attrs.frozen
 class RunDetail(RunSummary):
     """One run in full: the summary, its task timeline, its input (the decoded JSON, or
-    the string "sealed"), where it was forked from, and its history."""
+    the string "sealed"), where it was forked from, and its history.
+
+    `concurrency_key` is the hex SHA-256 digest of its key (SPEC 15; None: no key),
+    and `key_state` says where the run stands with it: "held" (it holds one of its
+    key's slots), "waiting" (unfinished, for a slot) or None (no key, or finished).
+    """
 
     tasks: tuple[TaskState, ...]
     input: Any
     forked_from: str | None
     history: tuple[HistoryEntry, ...]
+    concurrency_key: str | None = None
+    key_state: str | None = None
 
 
 @attrs.frozen
@@ -131,6 +138,12 @@ class QueueStats:
 
     workflows: tuple[WorkflowStats, ...]
     stale_after: float
+
+
+def _key_state(row: DetailRow) -> str | None:
+    if row.concurrency_key is None or row.finished_at is not None:
+        return None
+    return "waiting" if row.key_slot is None else "held"
 
 
 def _actor(actor: str | None) -> str:
@@ -373,6 +386,8 @@ class Admin:
             input="sealed" if row.sealed else row.input,
             forked_from=None if row.forked_from is None else str(row.forked_from),
             history=history,
+            concurrency_key=None if row.concurrency_key is None else row.concurrency_key.hex(),
+            key_state=_key_state(row),
         )
 
     def stats(self) -> QueueStats:

@@ -406,6 +406,8 @@ def _print_detail(detail: RunDetail) -> None:
          else f"{detail.finished_at.isoformat()} ({_ago(detail.finished_at, now)})"),
         ("key", detail.idempotency_key or "-"),
         ("forked from", detail.forked_from or "-"),
+        ("concurrency key", "-" if detail.concurrency_key is None
+         else f"{detail.concurrency_key[:16]}… ({detail.key_state or 'finished'})"),
         ("input", detail.input if isinstance(detail.input, str)
          else json.dumps(detail.input, ensure_ascii=False)),
     ]

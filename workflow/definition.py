@@ -16,7 +16,7 @@ import attrs
 
 from workflow.durations import Duration
 from workflow.errors import RegistrationError
-from workflow.limits import MAX_NAME_BYTES, MAX_TASKS, text_problem
+from workflow.limits import MAX_CONCURRENCY, MAX_NAME_BYTES, MAX_TASKS, text_problem
 from workflow.retry import Backoff, RetryPolicy, policy_of
 
 if TYPE_CHECKING:
@@ -189,15 +189,44 @@ class AnyDefinition:
 
 @attrs.frozen
 class Definition(AnyDefinition, Generic[In]):
-    """A workflow with its ordered steps; built by `define()`, given to `Registry.register`."""
+    """A workflow with its ordered steps; built by `define()`, given to `Registry.register`.
+
+    `concurrency_key` and `concurrency` are `define()`'s: None and None for a
+    workflow whose runs have no key.
+    """
 
     workflow: Workflow[In]
     steps: tuple[Step[In], ...]
+    concurrency_key: Callable[[In], object] | None = None
+    concurrency: int | None = None
+
+    @property
+    def limit(self) -> int:
+        """The most runs of one key that may hold a claim at once (1 unless given)."""
+        return 1 if self.concurrency is None else self.concurrency
 
 
-def define(workflow: Workflow[In], *steps: Step[In]) -> Definition[In]:
-    """Pair a workflow with its steps, in execution order."""
-    return Definition(workflow=workflow, steps=tuple(steps))
+def define(
+    workflow: Workflow[In],
+    *steps: Step[In],
+    concurrency_key: Callable[[In], object] | None = None,
+    concurrency: int | None = None,
+) -> Definition[In]:
+    """Pair a workflow with its steps, in execution order.
+
+    With `concurrency_key` (SPEC 15), `concurrency_key(input)` is computed when a
+    run starts, from the plaintext input: a `str`, an `int` or a `uuid.UUID`, or
+    None for a run with no key. At most `concurrency` runs (default 1) of this
+    workflow with the same key hold a claim at once, and runs of one key are
+    claimed in creation order. The key is stored as its SHA-256 digest, never as
+    text. Validation happens in `Registry.register`.
+    """
+    return Definition(
+        workflow=workflow,
+        steps=tuple(steps),
+        concurrency_key=concurrency_key,
+        concurrency=concurrency,
+    )
 
 
 class Registry:
@@ -261,7 +290,9 @@ class Registry:
         duplicate workflow name, zero tasks, an empty or duplicate task name, more
         than 32766 tasks, a name with a NUL or longer than 255 bytes, a bad
         timeout, attempt budget or backoff (infinite or beyond `MAX_SECONDS`
-        included), or a task name already registered with a different output type.
+        included), a task name already registered with a different output type, a
+        `concurrency_key` that is not callable, or a `concurrency` that is not an
+        int from 1 to 1000 or is given without a key.
         """
         if not isinstance(definition, Definition):
             raise RegistrationError(
@@ -276,6 +307,7 @@ class Registry:
                     "built with it; register every workflow before building the Manager"
                 )
             _check_name(wf.name, "a workflow name")
+            _check_concurrency(wf.name, definition)
             if wf.name in self._definitions:
                 raise RegistrationError(
                     f"workflow {wf.name!r} is already registered; workflow names are unique"
@@ -368,6 +400,33 @@ def _check_step(workflow: str, step: object) -> str:
             f"workflow {workflow!r}: the handler of task {task.name!r} is not callable"
         )
     return task.name
+
+
+def _check_concurrency(workflow: str, definition: Definition[Any]) -> None:
+    """Refuse a per-key limit the engine could not enforce as written."""
+    key, limit = definition.concurrency_key, definition.concurrency
+    if key is not None and not callable(key):
+        raise RegistrationError(
+            f"workflow {workflow!r}: concurrency_key must be a function of the input "
+            f"(e.g. lambda i: i.account), not {type(key).__name__}"
+        )
+    if limit is None:
+        return
+    if key is None:
+        raise RegistrationError(
+            f"workflow {workflow!r}: concurrency={limit!r} needs a concurrency_key "
+            "(the limit is per key: define(..., concurrency_key=lambda i: i.account, "
+            "concurrency=N))"
+        )
+    if isinstance(limit, bool) or not isinstance(limit, int):
+        raise RegistrationError(
+            f"workflow {workflow!r}: concurrency must be an int, not {type(limit).__name__}"
+        )
+    if not 1 <= limit <= MAX_CONCURRENCY:
+        raise RegistrationError(
+            f"workflow {workflow!r}: concurrency must be from 1 to {MAX_CONCURRENCY} runs "
+            f"per key, got {limit}"
+        )
 
 
 def _check_name(name: object, what: str) -> None:

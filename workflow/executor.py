@@ -148,13 +148,20 @@ class Executor:
                 self._idle.notify_all()
 
     def execute(
-        self, run: ClaimedRun, *, input: Any = NO_INPUT, claimed_at: float | None = None
+        self,
+        run: ClaimedRun,
+        *,
+        input: Any = NO_INPUT,
+        claimed_at: float | None = None,
+        follows_key: bool = False,
     ) -> None:
         """Run the admitted claimed `run` from its current task until it finishes, parks,
         or must stop, then uncount it.
 
         `input` is the decoded input when the caller has it (the fast path);
-        `claimed_at` the monotonic time of the claim (default: now). Raises nothing
+        `claimed_at` the monotonic time of the claim (default: now); `follows_key`:
+        the caller claims the next run of the run's key itself when this ends, so
+        its finish or park wakes no poller for it. Raises nothing
         of its own (see the module doc for what an unexpected error does), but a
         `SystemExit` or `KeyboardInterrupt` raised by a handler is recorded as a
         failed attempt and then propagates.
@@ -164,6 +171,7 @@ class Executor:
         execution = _Execution(
             self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
         )
+        execution.wake_key = not follows_key
         outer = getattr(_executing, "current", None)
         _executing.current = (self, run.id)
         try:
@@ -256,6 +264,7 @@ class _Execution:
         self.decoded: dict[str, Any] = {}
         self.outcome: Status | None = None
         self.unrecorded: _Ran | None = None
+        self.wake_key = True  # a keyed run's finish or park wakes the pollers
         self._log: EngineLog | None = None
 
     @property
@@ -451,7 +460,8 @@ class _Execution:
         if finishes:
             self.claim.leave()
         if not executor.store.complete_task(
-            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes
+            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
+            wake_key=self.wake_key,
         ):
             self.lost()
         self.unrecorded = None
@@ -612,6 +622,7 @@ class _Execution:
         if not self.executor.store.park_run(
             self.run_row.id, self.run_row.claim_id, row.seq,
             error=text, code=code, attempts=attempts, spent=spent > 0,
+            wake_key=self.wake_key,
         ):
             self.lost()
         self.unrecorded = None

@@ -14,6 +14,10 @@ MAX_NAME_BYTES = 255
 """The longest workflow or task name, in UTF-8 bytes: a name is a wake-up's
 payload and part of the idempotency index's entries, both of which are bounded."""
 
+MAX_CONCURRENCY = 1000
+"""The largest per-key limit (`define(..., concurrency=N)`): a claim reads each of a
+waiting key's N slots, so a limit this high is a queue, not a key."""
+
 MAX_KEY_BYTES = 1024
 """The longest idempotency key, in UTF-8 bytes: it is indexed (with the workflow
 name), and an index entry must fit in about a third of a page."""

@@ -304,8 +304,8 @@ class Manager:
         For a run started with `start_tx`, once its transaction has committed:
         it then starts at once instead of waiting for a poller. True when it was
         claimed; False when it is not claimable now (claimed elsewhere, not due,
-        finished), not a workflow of this manager, or there is no room (a poller
-        takes it). Blocks on one statement.
+        finished, waiting for a slot of its concurrency key), not a workflow of
+        this manager, or there is no room (a poller takes it). Blocks on one statement.
         """
         self._check_usable()
         return self._fastpath.kick(_parse_id(run_id))

@@ -8,7 +8,12 @@ cuts the sleep short.
 A claim is one statement (`FOR UPDATE SKIP LOCKED`, so pollers in many processes
 never claim the same run) that also returns each run's task snapshot. It claims
 only runs of workflows registered here, at most `batch_size` at a time and never
-more than the free share of `concurrency`.
+more than the free share of `concurrency`. With keyed workflows registered
+(SPEC 15) a round has a second statement, which gives free slots of keys to
+their oldest waiting runs and claims those; the two take turns going first, so
+neither kind of run waits behind a backlog of the other. When an execution of a
+keyed run ends here, the thread that ran it claims its key's next run (one
+index probe) and runs it in the same room.
 """
 
 from __future__ import annotations
@@ -20,13 +25,18 @@ from workflow.config import RunnerSettings
 from workflow.executor import Executor
 from workflow.runthreads import RunThreads
 from workflow.service import Service
-from workflow.store import ClaimedRun
+from workflow.store import ClaimedRun, slot_race
 
 DUE_REREAD = 1.0
 """The shortest time between two reads of the next due time caused by executions ending
 here (a wake-up from outside always reads it)."""
 OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
+KEY_WALK_SHARE = 0.1
+"""The most of a poller's time its claims of keys' waiting runs may take: each reads
+every key with runs waiting, so after one that took t seconds (and filled less than
+its batch) the next waits t / KEY_WALK_SHARE. A key's next run does not wait for it:
+the worker that frees the key claims it (`claim_key_head`)."""
 
 
 class Poller(Service):
@@ -39,6 +49,17 @@ class Poller(Service):
         self._executor = executor
         self._settings = settings
         self._workflows = executor.registry.names()
+        registry = executor.registry
+        keyed = [
+            (name, definition.limit)
+            for name in self._workflows
+            if (definition := registry.definition(name)) is not None
+            and definition.concurrency_key is not None
+        ]
+        self._keyed = [name for name, _ in keyed]
+        self._limits = [limit for _, limit in keyed]
+        self._keys_first = False
+        self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
         self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
         self._running = 0  # this poller's executions in flight, against `concurrency`
         self._lock = threading.Lock()
@@ -74,7 +95,7 @@ class Poller(Service):
                 continue
             limit = min(self._settings.batch_size, free)
             try:
-                claimed = executor.store.claim_runs(self._workflows, limit)
+                claimed, raced = self._claim(limit)
             except Exception:
                 failures += 1
                 executor.log.exception("poller: claiming runs failed")
@@ -83,8 +104,39 @@ class Poller(Service):
             failures = 0
             for run in claimed:
                 self._hand_over(run)
-            if len(claimed) < limit:
-                self._sleep(self._until_next_due())
+            if len(claimed) < limit and not raced:
+                nap = self._until_next_due()
+                if self._keyed:  # wake up when the keys may be read again
+                    nap = min(nap, max(self._walk_after - time.monotonic(), 0.005))
+                self._sleep(nap)
+
+    def _claim(self, limit: int) -> tuple[list[ClaimedRun], bool]:
+        """Claim up to `limit` runs: ready ones, and keyed runs given a free slot of their
+        key (in turns, which goes first); and whether a race for a slot made the keyed
+        claim do nothing (claim again at once)."""
+        store = self._executor.store
+        if not self._keyed:
+            return store.claim_runs(self._workflows, limit), False
+        self._keys_first = keys_first = not self._keys_first
+        claimed: list[ClaimedRun] = []
+        raced = False
+        for keys in (keys_first, not keys_first):
+            room = limit - len(claimed)
+            if room <= 0:
+                break
+            try:
+                if keys:
+                    claimed += self._claim_heads(room)
+                else:
+                    claimed += store.claim_runs(self._workflows, room)
+            except Exception as e:
+                if keys and slot_race(e):
+                    raced = True  # another claim took a slot this one counted as free
+                    continue
+                for run in claimed:  # what the first statement claimed still runs
+                    self._hand_over(run)
+                raise
+        return claimed, raced
 
     def _until_next_due(self) -> float:
         """How long to sleep when nothing more is claimable: the poll interval, or less
@@ -136,9 +188,55 @@ class Poller(Service):
 
     def _execute(self, run: ClaimedRun) -> None:
         try:
-            self._executor.execute(run)
+            following: ClaimedRun | None = run
+            while following is not None:
+                keyed = following.concurrency_key is not None
+                self._executor.execute(following, follows_key=keyed)
+                following = self._next_of_key(following)
         finally:
             with self._lock:
                 self._running -= 1
             self._due_changed_here = True  # it may have left its run for a later retry
             self._wake.set()  # room to claim again
+
+    def _claim_heads(self, room: int) -> list[ClaimedRun]:
+        """`claim_key_heads`, unless the last one was too recent for its cost (see
+        `KEY_WALK_SHARE`)."""
+        began = time.monotonic()
+        if began < self._walk_after:
+            return []
+        heads = self._executor.store.claim_key_heads(self._keyed, self._limits, room)
+        cost = time.monotonic() - began
+        self._walk_after = began if len(heads) >= room else began + cost / KEY_WALK_SHARE
+        return heads
+
+    def _next_of_key(self, run: ClaimedRun) -> ClaimedRun | None:
+        """After a keyed run's execution here: claim its key's next run, admitted to run on
+        this thread in the room the first leaves (None when the key has none waiting, or
+        still holds it, or this poller is stopping). A key's backlog so drains through
+        the worker that frees it, one cheap claim a run, without walking every key."""
+        key = run.concurrency_key
+        executor = self._executor
+        if key is None:
+            return None
+        definition = executor.registry.definition(run.workflow)
+        assert definition is not None  # claimed only for workflows registered here
+        if self._stopping.is_set() or executor.draining.is_set():
+            self._wake_pollers(run.workflow)  # its finish woke no one: leave the key's next
+            return None
+        try:
+            following = executor.store.claim_key_head(run.workflow, key, definition.limit)
+        except Exception as e:
+            if not slot_race(e):  # a race: another claim took the key's next run
+                executor.log.exception("poller: claiming the next run of a key failed")
+                self._wake_pollers(run.workflow)
+            return None
+        if following is not None:
+            executor.admit()
+        return following
+
+    def _wake_pollers(self, workflow: str) -> None:
+        try:
+            self._executor.store.wake(workflow)
+        except Exception:
+            self._executor.log.exception("poller: waking the pollers failed")

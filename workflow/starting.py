@@ -3,14 +3,17 @@
 `Starter.start` refuses what cannot be stored before any SQL is sent (a key the
 index cannot carry, an input that does not encode, a connection that cannot
 carry the caller's transaction or is on another database), encodes and seals
-the input and the calling context, evaluates `skip_if`, honours the
-idempotency key, inserts the run with its task snapshot, and hands it to the
-fast path when there is room (inserted already claimed: no claim of its own).
+the input and the calling context, evaluates `skip_if` and the concurrency
+key (stored as its digest), honours the idempotency key, inserts the run with
+its task snapshot, and hands it to the fast path when there is room (inserted
+already claimed: no claim of its own) and, for a keyed run, when its key has a
+free slot and no run waiting for one.
 """
 
 from __future__ import annotations
 
 import datetime
+import hashlib
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,7 @@ from workflow.store import (
     bool_array,
     current_database,
     in_transaction,
+    slot_race,
     text_array,
 )
 
@@ -41,11 +45,13 @@ from workflow.store import (
 class _Shape:
     """What every start of one workflow shares, computed once per manager."""
 
-    __slots__ = ("definition", "names", "no_skips", "skips", "tasks")
+    __slots__ = ("definition", "key", "limit", "names", "no_skips", "skips", "tasks")
 
     def __init__(self, definition: Definition[Any]) -> None:
         steps = definition.steps
         self.definition = definition
+        self.key = definition.concurrency_key
+        self.limit = definition.limit
         self.skips = any(step.skip is not None for step in steps)
         self.names = text_array([step.task.name for step in steps])
         self.no_skips = bool_array([False] * len(steps))
@@ -74,6 +80,22 @@ def check_key(key: object) -> None:
     problem = text_problem(key, MAX_KEY_BYTES)
     if problem is not None:
         raise EncodeError(f"idempotency_key {key[:60]!r} {problem}")
+
+
+def key_digest(workflow: str, key: object) -> bytes | None:
+    """The stored form of a run's concurrency key: the SHA-256 digest of its text (an
+    `int` or a `uuid.UUID` as `str()` writes it), or None for None (no key).
+    `TypeError` for any other type, before any SQL is sent."""
+    if key is None:
+        return None
+    if isinstance(key, (int, uuid.UUID)) and not isinstance(key, bool):
+        key = str(key)
+    if not isinstance(key, str):
+        raise TypeError(
+            f"workflow {workflow!r}: concurrency_key returned {type(key).__name__}; it must "
+            "return a str, an int, a uuid.UUID, or None for a run with no key"
+        )
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
 
 
 def check_due(
@@ -174,6 +196,9 @@ class Starter:
             context_plain, context_sealed = seal_document(
                 self._config.context.capture_document(), run_id, cipher
             )
+        concurrency_key = None
+        if shape.key is not None:  # from the plaintext input, as skip_if
+            concurrency_key = key_digest(wf.name, shape.key(input))
         store = self._store
         if idempotency_key is not None:
             existing = store.find_idempotent_run(conn, wf.name, idempotency_key)
@@ -191,12 +216,14 @@ class Starter:
         fastpath = self._fastpath
         fast = conn is None and not all_skipped and not delayed and fastpath.try_slot()
         claim_id = uuid.uuid4() if fast else None
-        try:
-            inserted = store.insert_run(
+
+        def insert(claim_id: uuid.UUID | None) -> tuple[uuid.UUID, bool] | None:
+            claims = claim_id is not None
+            return store.insert_run(
                 conn,
                 run_id=run_id,
                 workflow=wf.name,
-                status="succeeded" if all_skipped else ("running" if fast else "pending"),
+                status="succeeded" if all_skipped else ("running" if claims else "pending"),
                 idempotency_key=idempotency_key,
                 input=input_plain,
                 input_sealed=input_sealed,
@@ -207,12 +234,24 @@ class Starter:
                 claim_id=claim_id,
                 names=shape.names,
                 skipped=skipped_literal,
-                wake=not fast and not all_skipped,
+                wake=not claims and not all_skipped,
                 traceparent=traceparent,
                 tracestate=tracestate,
                 delay=delay_s,
                 run_at=due_at,
+                concurrency_key=concurrency_key,
+                concurrency=shape.limit,
             )
+
+        try:
+            try:
+                inserted = insert(claim_id)
+            except psycopg.errors.Error as e:
+                # Another start, or a poller, took the key's last slot as this one did:
+                # nothing was inserted; insert the run waiting for its key instead.
+                if claim_id is None or not slot_race(e):
+                    raise
+                inserted = insert(None)
         except psycopg.errors.LockNotAvailable as e:
             if fast:
                 fastpath.release_slot()
@@ -225,6 +264,9 @@ class Starter:
             if fast:
                 fastpath.release_slot()
             raise
+        if inserted is not None and fast and not inserted[1]:
+            fast = False  # its key is busy: it waits for a poller
+            fastpath.release_slot()
         if inserted is None:
             if fast:
                 fastpath.release_slot()
@@ -255,6 +297,7 @@ class Starter:
                 tasks=shape.tasks if skipped is None else shape.snapshot(skipped),
                 traceparent=traceparent,
                 tracestate=tracestate,
+                concurrency_key=concurrency_key,
             )
             fastpath.launch(claimed, stored_input)
         return run_id, True

@@ -63,6 +63,12 @@ counted, once.
 Beyond that an attempt may run again only after its execution was interrupted:
 the attempt check above flags any execution that saw a count its predecessors
 did not leave.
+
+Keys (SPEC 15): one run in three has an account, one run per account at once. The
+`chaos_key_holds` trigger gives each run's holds of its key's slot; two runs of one
+key must never hold it at overlapping times (`key_overlaps`), through kills,
+sweeps, backoffs, cancels and resumes, and a keyed run is claimed only while it
+holds its key (`unheld_claims`).
 """
 
 from __future__ import annotations
@@ -103,6 +109,10 @@ class Report:
     cancelled: int = 0
     ticks: int = 0
     ticks_missed: int = 0
+    keyed_runs: int = 0
+    key_holds: int = 0
+    key_overlaps: int = 0
+    unheld_claims: int = 0
     problems: list[str] = attrs.field(factory=list)
 
     @property
@@ -120,6 +130,8 @@ class Report:
             + self.unknown_claims
             + self.miscounted
             + self.ticks_missed
+            + self.key_overlaps
+            + self.unheld_claims
         )
 
     def problem(self, text: str) -> None:
@@ -301,6 +313,8 @@ def check(
                     f"a valid claim during {max(ia[0], ib[0])} .. {min(ia[1], ib[1])}"
                 )
 
+    _check_keys(r, conn, claim_rows)
+
     # 4. Attempts.
     for key, (_, attempts) in tasks.items():
         bumps = [ev for ev in events.get(key, []) if ev[3] != ev[2]]
@@ -430,6 +444,56 @@ def _check_counts(
                 f"count: task {key}: execution {e.exec_id} raised on attempt {e.attempt} "
                 f"under claim {e.claim}, and no bump counted it"
             )
+
+
+def _check_keys(r: Report, conn: psycopg.Connection[Any], claim_rows: list[Any]) -> None:
+    """Per-key limits (SPEC 15, one run per key at once): no two runs of one key hold
+    its slot at overlapping times, and a keyed run is claimed only while it holds it.
+
+    Sound for the same reason as the claims: a run takes a slot only in a statement
+    that saw the slot's last holder let go committed, so its trigger's clock is later
+    than the holder's; and the hold trigger fires before the claim trigger of the
+    same row change."""
+    keyed = dict(
+        conn.execute(
+            "SELECT id, concurrency_key FROM workflow_runs WHERE concurrency_key IS NOT NULL"
+        ).fetchall()
+    )
+    r.keyed_runs = len(keyed)
+    holds: dict[uuid.UUID, list[list[Any]]] = defaultdict(list)  # run -> [start, end]
+    for run_id, old, new, at in conn.execute(
+        "SELECT run_id, old_slot, new_slot, at FROM chaos_key_holds ORDER BY run_id, at, id"
+    ).fetchall():
+        if old is None and new is not None:
+            holds[run_id].append([at, INF])
+        elif old is not None and new is None and holds[run_id]:
+            holds[run_id][-1][1] = at
+        else:
+            r.key_overlaps += 1
+            r.problem(f"key: run {run_id} changed slot {old} -> {new} at {at}")
+    by_key: dict[bytes, list[tuple[Any, Any, uuid.UUID]]] = defaultdict(list)
+    for run_id, spans in holds.items():
+        r.key_holds += len(spans)
+        for start, end in spans:
+            by_key[keyed.get(run_id, b"")].append((start, end, run_id))
+    for key, spans in by_key.items():
+        spans.sort(key=lambda s: s[0])
+        latest_end, holder = spans[0][1], spans[0][2]
+        for start, end, run_id in spans[1:]:
+            if start < latest_end and run_id != holder:
+                r.key_overlaps += 1
+                r.problem(
+                    f"key {key.hex()[:12]}: runs {holder} and {run_id} held it at once "
+                    f"(from {start} to {min(end, latest_end)})"
+                )
+            if end > latest_end:
+                latest_end, holder = end, run_id
+    for run_id, _, new, at, *_ in claim_rows:
+        if new is None or run_id not in keyed:
+            continue
+        if not any(start <= at <= end for start, end in holds.get(run_id, [])):
+            r.unheld_claims += 1
+            r.problem(f"key: run {run_id} was claimed at {at} without holding its key")
 
 
 def _writer_claim(

@@ -147,7 +147,9 @@ class Result:
             f"cut_transactions={self.cut_transactions} uncounted={r.uncounted} "
             f"phantom_attempts={r.phantom_attempts} double_counted={r.double_counted} "
             f"replacement_failures={self.replacement_failures} ticks={r.ticks} "
-            f"ticks_missed={r.ticks_missed} seconds={self.seconds:.0f})"
+            f"ticks_missed={r.ticks_missed} keyed_runs={r.keyed_runs} key_holds={r.key_holds} "
+            f"key_overlaps={r.key_overlaps} unheld_claims={r.unheld_claims} "
+            f"seconds={self.seconds:.0f})"
         )
 
 

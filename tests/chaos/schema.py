@@ -17,6 +17,11 @@
 - `chaos_task_events` (a trigger on `workflow_tasks`): every change of a task's
   output or attempt count, with the error text stored with it (a sweep's bump says
   "abandoned"), the clock and the transaction id.
+- `chaos_key_holds` (a trigger on `workflow_runs`): every change of a keyed run's
+  slot of its key (SPEC 15), with the database clock and the transaction id, so
+  the checks know when each run held its key. The trigger is named to fire
+  before `chaos_log_claim`: in a statement that takes a slot and a claim, the
+  hold is stamped first.
 - `chaos_faults`: what the runner did to the processes and the server, in the
   database clock: each SIGKILL (`kill`, the victim's application name), each
   SIGTERM that asks a process to drain (`stop`), and the server restart
@@ -61,6 +66,16 @@ CREATE TABLE chaos_claims (
 );
 CREATE INDEX chaos_claims_run ON chaos_claims (run_id);
 
+CREATE TABLE chaos_key_holds (
+    id        bigserial PRIMARY KEY,
+    run_id    uuid NOT NULL,
+    key       bytea NOT NULL,
+    old_slot  smallint,
+    new_slot  smallint,
+    at        timestamptz NOT NULL DEFAULT clock_timestamp(),
+    xid       bigint NOT NULL DEFAULT txid_current()
+);
+
 CREATE TABLE chaos_faults (
     id     bigserial PRIMARY KEY,
     kind   text NOT NULL CHECK (kind IN ('kill', 'restart', 'stop')),
@@ -99,6 +114,27 @@ END $$;
 
 CREATE TRIGGER chaos_log_claim AFTER INSERT OR UPDATE ON workflow_runs
     FOR EACH ROW EXECUTE FUNCTION chaos_log_claim();
+
+CREATE FUNCTION chaos_key_log() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF NEW.concurrency_key IS NULL THEN
+        RETURN NULL;
+    END IF;
+    IF TG_OP = 'INSERT' THEN
+        IF NEW.key_slot IS NOT NULL THEN
+            INSERT INTO chaos_key_holds (run_id, key, old_slot, new_slot)
+            VALUES (NEW.id, NEW.concurrency_key, NULL, NEW.key_slot);
+        END IF;
+    ELSIF OLD.key_slot IS DISTINCT FROM NEW.key_slot THEN
+        INSERT INTO chaos_key_holds (run_id, key, old_slot, new_slot)
+        VALUES (NEW.id, NEW.concurrency_key, OLD.key_slot, NEW.key_slot);
+    END IF;
+    RETURN NULL;
+END $$;
+
+-- Fires before chaos_log_claim (triggers of one event fire in name order).
+CREATE TRIGGER chaos_key_log AFTER INSERT OR UPDATE ON workflow_runs
+    FOR EACH ROW EXECUTE FUNCTION chaos_key_log();
 
 CREATE FUNCTION chaos_log_task() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
 import re
 import time
 import uuid
@@ -53,6 +54,7 @@ from workflow.store.rows import (
 __all__ = [
     "CANCELS",
     "CHANNEL",
+    "KEY_SLOTS",
     "SCHEMA_VERSION",
     "ClaimedRun",
     "DetailRow",
@@ -73,6 +75,7 @@ __all__ = [
     "in_transaction",
     "migrate",
     "schema_version",
+    "slot_race",
     "storable",
     "text_array",
 ]
@@ -82,6 +85,12 @@ CHANNEL = "workflow_runs"
 
 CANCELS = "workflow_cancels"
 """The LISTEN/NOTIFY channel of cancellations; each payload is a run id."""
+
+KEY_VISITS = 64
+"""The fewest keys with runs waiting that one `claim_key_heads` reads per workflow."""
+
+KEY_SLOTS = "workflow_runs_key_slots"
+"""The unique index of the slots keyed runs hold: a violation of it is a race for a slot."""
 
 ERROR_CHARS = 4000
 """The most characters of an error text stored (the rest is cut, marked "(truncated)")."""
@@ -233,12 +242,19 @@ class Store:
         tracestate: str | None = None,
         delay: float | None = None,
         run_at: datetime.datetime | None = None,
-    ) -> uuid.UUID | None:
-        """Insert a run and its tasks; its id, or None when the idempotency key exists.
+        concurrency_key: bytes | None = None,
+        concurrency: int = 1,
+    ) -> tuple[uuid.UUID, bool] | None:
+        """Insert a run and its tasks; (its id, whether it is claimed under `claim_id`), or
+        None when the idempotency key exists.
 
         `names` and `skipped` are array literals (`text_array`, `bool_array`) of
         the task snapshot; `claim_id` set means inserted already claimed by the
-        caller; `wake` sends the pollers' wake-up with it; `traceparent` and
+        caller, except for a keyed run (`concurrency_key`, a digest) whose key has
+        no slot free below `concurrency` or has runs waiting: that one is inserted
+        waiting for a slot, and the pollers are woken. Two starts racing for a key's
+        last slot make one fail with `psycopg.errors.UniqueViolation` (constraint
+        `KEY_SLOTS`), nothing inserted. `wake` sends the pollers' wake-up with it; `traceparent` and
         `tracestate` are the caller's span context, stored; `run_at` (aware) or
         `delay` (seconds, database clock) make it due later. With `conn`, inside the
         caller's transaction (`WorkflowError` when its database lacks the
@@ -267,21 +283,25 @@ class Store:
             "tracestate": tracestate,
             "delay": delay,
             "run_at": run_at,
+            "concurrency_key": concurrency_key,
+            "concurrency": concurrency,
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
+        # A run without a key pays nothing for keys: its statement reads no slot.
+        name = "insert_run" if concurrency_key is None else "insert_keyed_run"
         if conn is None:
-            rows = self._run("insert_run", params, "inserted_run")
+            rows = self._run(name, params, "inserted_run")
         else:
             try:
-                rows = _execute(conn, "insert_run", params)
+                rows = _execute(conn, name, params)
             except psycopg.errors.UndefinedTable as e:
                 raise WorkflowError(
                     f"workflow: start_tx(): database {conn.info.dbname!r} has no pgworkflow "
                     "tables; run `python -m workflow migrate` on it, or start the run on a "
                     "connection to the manager's database"
                 ) from e
-        return rows[0][0] if rows else None
+        return (rows[0][0], bool(rows[0][2])) if rows else None
 
     def find_idempotent_run(
         self, conn: psycopg.Connection[Any] | None, workflow: str, key: str
@@ -319,6 +339,52 @@ class Store:
         }
         return claimed_runs(self._run("claim_runs", params, "claimed_runs"))
 
+    def claim_key_heads(
+        self, workflows: Sequence[str], limits: Sequence[int], limit: int
+    ) -> list[ClaimedRun]:
+        """Give free slots of keys of the keyed `workflows` (each allowing `limits[i]` runs
+        per key at once) to their oldest waiting runs, and claim up to `limit` of them.
+
+        Reads at most `KEY_VISITS` (or 8 x `limit`) keys with runs waiting per
+        workflow, from a random point of the digests' order: a claim's cost does
+        not grow with the number of busy keys, and every key's turn comes alike.
+
+        Two claims racing for one slot (rare: only a start, a resume or a fork can
+        make a claim's view of a key stale) make one of them fail with
+        `psycopg.errors.UniqueViolation` or `DeadlockDetected`, nothing claimed; the
+        caller claims again.
+        """
+        params = {
+            "workflows": list(workflows),
+            "limits": list(limits),
+            "limit": limit,
+            "start": os.urandom(32),
+            "visit": max(KEY_VISITS, 8 * limit),
+            "claims": [uuid.uuid4() for _ in range(limit)],
+        }
+        return claimed_runs(self._run("claim_key_heads", params, "claimed_runs"))
+
+    def wake(self, workflow: str) -> None:
+        """Wake the pollers of `workflow` (a notification on `CHANNEL`)."""
+        self._run("wake", {"channel": CHANNEL, "workflow": workflow})
+
+    def claim_key_head(
+        self, workflow: str, concurrency_key: bytes, concurrency: int
+    ) -> ClaimedRun | None:
+        """Claim the next run of one key of `workflow` (its oldest due waiting run) when
+        the key has a slot free below `concurrency`; None when it has none, or that run
+        is being claimed elsewhere. A race for the slot raises as `claim_key_heads`'."""
+        claim_id = uuid.uuid4()
+        params = {
+            "workflow": workflow,
+            "concurrency_key": concurrency_key,
+            "concurrency": concurrency,
+            "claim_id": claim_id,
+            "claims": [claim_id],
+        }
+        runs = claimed_runs(self._run("claim_key_head", params, "claimed_runs"))
+        return runs[0] if runs else None
+
     def next_due(self, workflows: Sequence[str]) -> float | None:
         """Seconds until the earliest unclaimed run of `workflows` is due (negative when
         overdue), by the database clock; None when there is none."""
@@ -349,9 +415,12 @@ class Store:
         output: str | None,
         next_seq: int,
         finishes: bool,
+        *,
+        wake_key: bool = True,
     ) -> bool:
         """Record `seq`'s output and move the run to `next_seq`, or finish it; False when
-        the claim was lost."""
+        the claim was lost. A keyed run that finishes wakes the pollers when runs of its
+        key wait, unless `wake_key` is false (the caller claims the key's next run)."""
         rows = self._run(
             "complete_task",
             {
@@ -361,6 +430,8 @@ class Store:
                 "output": output,
                 "next_seq": next_seq,
                 "finishes": finishes,
+                "wake_key": wake_key,
+                "channel": CHANNEL,
             },
             "released",  # a retry whose earlier try let go of the claim finds it here
         )
@@ -410,9 +481,11 @@ class Store:
         code: str | None,
         attempts: int,
         spent: bool,
+        wake_key: bool = True,
     ) -> bool:
         """Park the run on task `seq` with `error` (its attempt count now `attempts`;
-        `spent`: the park ends an attempt); False when the claim was lost."""
+        `spent`: the park ends an attempt); False when the claim was lost. `wake_key` as
+        `complete_task`'s."""
         rows = self._run(
             "park_run",
             {
@@ -422,6 +495,8 @@ class Store:
                 **_failure(error, code),
                 "attempts": attempts,
                 "spent": spent,
+                "wake_key": wake_key,
+                "channel": CHANNEL,
             },
             "released",  # a retry whose earlier try let go of the claim finds it here
         )
@@ -576,7 +651,9 @@ class Store:
         Each run's history row carries an event id chosen here, so that a retry
         after a lost reply finds exactly the runs the committed try changed.
         """
-        return self._steer("cancel_runs", run_ids, actor, reason, {"cancels": CANCELS})
+        return self._steer(
+            "cancel_runs", run_ids, actor, reason, {"cancels": CANCELS, "channel": CHANNEL}
+        )
 
     def resume_runs(
         self, run_ids: Sequence[uuid.UUID], *, actor: str | None, reason: str | None
@@ -608,8 +685,8 @@ class Store:
         if not rows:
             return None
         first = rows[0]
-        head: dict[str, Any] = dict(zip(_DETAIL_FIELDS, first[:13], strict=True))
-        return DetailRow(**head, tasks=tuple(DetailTaskRow(*row[13:]) for row in rows))
+        head: dict[str, Any] = dict(zip(_DETAIL_FIELDS, first[:15], strict=True))
+        return DetailRow(**head, tasks=tuple(DetailTaskRow(*row[15:]) for row in rows))
 
     def run_history(self, run_id: uuid.UUID) -> list[EventRow]:
         """A run's history, oldest first."""
@@ -746,3 +823,15 @@ def in_transaction(conn: psycopg.Connection[Any]) -> None:
         raise WorkflowError(
             f"workflow: start_tx() cannot use a connection in state {status.name}"
         )
+
+
+def slot_race(error: BaseException) -> bool:
+    """Whether `error` is two claims racing for one slot of a key (the statement did
+    nothing; claiming again is safe): a violation of `KEY_SLOTS`, or the deadlock
+    two such claims can make."""
+    if isinstance(error, psycopg.errors.DeadlockDetected):
+        return True
+    return (
+        isinstance(error, psycopg.errors.UniqueViolation)
+        and error.diag.constraint_name == KEY_SLOTS
+    )

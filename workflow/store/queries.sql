@@ -9,7 +9,9 @@
 
 -- name: insert_run
 -- Insert a run and its task snapshot (claimed by the caller when claim_id is set; woken pollers otherwise),
--- due now, at run_at, or delay seconds from now (database clock).
+-- due now, at run_at, or delay seconds from now (database clock). Its creation time is the clock's at the
+-- insert, not the transaction's start: the runs one transaction starts are in the order it started them.
+-- A run with a concurrency key goes through insert_keyed_run instead.
 -- An idempotency key that a transaction still open has inserted makes the insert wait for that
 -- transaction; with key_wait set, set_config bounds the wait (lock_timeout, for this statement's
 -- own transaction only), evaluated as part of the key's value, before the insert looks for a conflict.
@@ -17,7 +19,7 @@ WITH run AS (
     INSERT INTO workflow_runs (id, workflow, status, idempotency_key, input, input_sealed,
                                context, context_sealed, task_count, current_seq,
                                claim_id, heartbeat_at, finished_at, traceparent, tracestate,
-                               next_retry_at)
+                               next_retry_at, created_at)
     VALUES (%(id)s, %(workflow)s, %(status)s,
             CASE WHEN %(key_wait)s::text IS NULL THEN %(idempotency_key)s
                  ELSE %(idempotency_key)s || left(set_config('lock_timeout', %(key_wait)s, true), 0)
@@ -29,7 +31,8 @@ WITH run AS (
             %(traceparent)s, %(tracestate)s,
             CASE WHEN %(run_at)s::timestamptz IS NOT NULL THEN %(run_at)s::timestamptz
                  WHEN %(delay)s::float8 IS NOT NULL THEN now() + make_interval(secs => %(delay)s::float8)
-                 ELSE now() END)
+                 ELSE now() END,
+            clock_timestamp())
     ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
     RETURNING id, created_at
 ), tasks AS (
@@ -39,13 +42,68 @@ WITH run AS (
          unnest(%(names)s::text[], %(skipped)s::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
 )
 SELECT run.id,
-       (SELECT pg_notify(%(channel)s, %(workflow)s) WHERE %(wake)s)
+       (SELECT pg_notify(%(channel)s, %(workflow)s) WHERE %(wake)s),
+       %(claim_id)s::uuid IS NOT NULL
+FROM run;
+
+
+-- name: insert_keyed_run
+-- insert_run for a run with a concurrency key (its digest): claimed by the caller only when claim_id is set and
+-- its key has a free slot below `concurrency` and no run waiting for one (it takes the lowest free slot);
+-- otherwise inserted waiting for a slot, the pollers woken. Due and creation times and the idempotency key's
+-- wait as in insert_run.
+WITH slot AS (
+    SELECT CASE WHEN %(claim_id)s::uuid IS NOT NULL THEN (
+        SELECT min(s)::smallint FROM generate_series(0, %(concurrency)s - 1) AS s
+        WHERE NOT EXISTS (SELECT FROM workflow_runs h
+                          WHERE h.workflow = %(workflow)s AND h.concurrency_key = %(concurrency_key)s
+                            AND h.key_slot = s)
+          AND NOT EXISTS (SELECT FROM workflow_runs w
+                          WHERE w.workflow = %(workflow)s AND w.concurrency_key = %(concurrency_key)s
+                            AND w.finished_at IS NULL AND w.key_slot IS NULL
+                            AND w.next_retry_at <= now())
+    ) END AS n
+), mine AS (
+    SELECT slot.n, CASE WHEN slot.n IS NOT NULL THEN %(claim_id)s::uuid END AS claim_id
+    FROM slot
+), run AS (
+    INSERT INTO workflow_runs (id, workflow, status, idempotency_key, input, input_sealed,
+                               context, context_sealed, task_count, current_seq,
+                               claim_id, heartbeat_at, finished_at, traceparent, tracestate,
+                               next_retry_at, concurrency_key, key_slot, created_at)
+    SELECT %(id)s, %(workflow)s,
+           CASE WHEN %(status)s = 'running' AND mine.claim_id IS NULL THEN 'pending' ELSE %(status)s END,
+           CASE WHEN %(key_wait)s::text IS NULL THEN %(idempotency_key)s
+                ELSE %(idempotency_key)s || left(set_config('lock_timeout', %(key_wait)s, true), 0)
+           END,
+           %(input)s::jsonb, %(input_sealed)s, %(context)s::jsonb, %(context_sealed)s,
+           %(task_count)s, %(current_seq)s, mine.claim_id,
+           CASE WHEN mine.claim_id IS NULL THEN NULL ELSE now() END,
+           CASE WHEN %(status)s = 'succeeded' THEN now() END,
+           %(traceparent)s, %(tracestate)s,
+           CASE WHEN %(run_at)s::timestamptz IS NOT NULL THEN %(run_at)s::timestamptz
+                WHEN %(delay)s::float8 IS NOT NULL THEN now() + make_interval(secs => %(delay)s::float8)
+                ELSE now() END,
+           %(concurrency_key)s, mine.n, clock_timestamp()
+    FROM mine
+    ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
+    RETURNING id, created_at, claim_id
+), tasks AS (
+    INSERT INTO workflow_tasks (run_id, seq, name, skipped, finished_at)
+    SELECT run.id, t.seq::smallint, t.name, t.skipped, CASE WHEN t.skipped THEN run.created_at END
+    FROM run,
+         unnest(%(names)s::text[], %(skipped)s::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
+)
+SELECT run.id,
+       (SELECT pg_notify(%(channel)s, %(workflow)s)
+        WHERE %(wake)s OR (%(claim_id)s::uuid IS NOT NULL AND run.claim_id IS NULL)),
+       run.claim_id IS NOT NULL
 FROM run;
 
 
 -- name: inserted_run
 -- The run with this id, if an earlier try of insert_run committed it (the id is random: only ours).
-SELECT id, NULL FROM workflow_runs WHERE id = %(id)s;
+SELECT id, NULL, coalesce(claim_id = %(claim_id)s::uuid, false) FROM workflow_runs WHERE id = %(id)s;
 
 
 -- name: find_idempotent_run
@@ -54,10 +112,12 @@ SELECT id FROM workflow_runs WHERE workflow = %(workflow)s AND idempotency_key =
 
 
 -- name: claim_run
--- Claim one run by id when it is claimable now; SKIP LOCKED makes a double kick claim once.
+-- Claim one run by id when it is claimable now (a keyed run waiting for a slot is not); SKIP LOCKED
+-- makes a double kick claim once.
 WITH pick AS (
     SELECT id FROM workflow_runs
     WHERE id = %(id)s AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
     FOR UPDATE SKIP LOCKED
 ), claimed AS (
     UPDATE workflow_runs r
@@ -65,12 +125,12 @@ WITH pick AS (
     FROM pick WHERE r.id = pick.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
               r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
-              r.next_retry_at, r.traceparent, r.tracestate
+              r.next_retry_at, r.traceparent, r.tracestate, r.concurrency_key
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY t.seq;
@@ -79,10 +139,12 @@ ORDER BY t.seq;
 -- name: claim_runs
 -- Claim up to `limit` claimable runs of the given workflows, longest due first (the poller; a new
 -- run is due from its creation, so new runs go in creation order), the n-th under the n-th of the
--- caller's claim ids. Read through workflow_runs_due: runs due later are never visited.
+-- caller's claim ids. Read through workflow_runs_ready: runs due later, and keyed runs waiting for a
+-- slot, are never visited (a keyed run holding its slot is claimed here).
 WITH pick AS (
     SELECT id, created_at, next_retry_at FROM workflow_runs
     WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
       AND workflow = ANY(%(workflows)s::text[])
     ORDER BY next_retry_at, created_at, id
     LIMIT %(limit)s
@@ -96,29 +158,185 @@ WITH pick AS (
     FROM numbered WHERE r.id = numbered.id
     RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
               r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
-              r.next_retry_at, r.traceparent, r.tracestate
+              r.next_retry_at, r.traceparent, r.tracestate, r.concurrency_key
 )
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
 
 
+-- name: wake
+-- Wake the pollers for a workflow (a poller leaving a key's next run to the others).
+SELECT pg_notify(%(channel)s, %(workflow)s);
+
+
+-- name: claim_key_head
+-- Claim the next run of one key when the key has a slot free below `concurrency`: its oldest due waiting run,
+-- taking the lowest free slot (a poller whose execution of a run of this key just ended: the key's backlog
+-- drains through the worker that frees it, one index probe each, with no walk of the other keys). Nothing
+-- when that run is locked (another claim is taking it) or the key has no slot free.
+WITH head AS (
+    SELECT id FROM workflow_runs
+    WHERE workflow = %(workflow)s AND concurrency_key = %(concurrency_key)s
+      AND finished_at IS NULL AND key_slot IS NULL AND next_retry_at <= now()
+    ORDER BY created_at, id
+    LIMIT 1
+), slot AS (
+    SELECT min(s)::smallint AS n FROM generate_series(0, %(concurrency)s - 1) AS s
+    WHERE NOT EXISTS (SELECT FROM workflow_runs h
+                      WHERE h.workflow = %(workflow)s AND h.concurrency_key = %(concurrency_key)s
+                        AND h.key_slot = s)
+), pick AS (
+    SELECT r.id FROM workflow_runs r
+    WHERE r.id = (SELECT id FROM head)  -- by primary key: never a walk of the open runs
+      AND r.claim_id IS NULL AND r.finished_at IS NULL AND r.key_slot IS NULL
+      AND (SELECT n FROM slot) IS NOT NULL
+    FOR UPDATE OF r SKIP LOCKED
+), claimed AS (
+    UPDATE workflow_runs r
+    SET claim_id = %(claim_id)s, heartbeat_at = now(), status = 'running', released_claim = NULL,
+        key_slot = (SELECT n FROM slot)
+    WHERE r.id = (SELECT id FROM pick)
+    RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
+              r.next_retry_at, r.traceparent, r.tracestate, r.concurrency_key
+)
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
+       c.current_seq, now(), c.sealed_for,
+       extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       t.output IS NOT NULL, t.output, t.failed_at
+FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
+ORDER BY t.seq;
+
+
 -- name: next_due
 -- Seconds until the earliest unclaimed, unfinished run of the given workflows is due (negative:
--- overdue; NULL: none); the first entry of workflow_runs_due that matches.
-SELECT extract(epoch FROM min(next_retry_at) - now())::float8 FROM workflow_runs
-WHERE claim_id IS NULL AND finished_at IS NULL AND workflow = ANY(%(workflows)s::text[]);
+-- overdue; NULL: none): the first entry of workflow_runs_ready that matches, or the first of
+-- workflow_runs_key_due still to come (a keyed run started with a delay, waiting for a slot).
+SELECT extract(epoch FROM least(
+    (SELECT min(next_retry_at) FROM workflow_runs
+     WHERE claim_id IS NULL AND finished_at IS NULL AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+       AND workflow = ANY(%(workflows)s::text[])),
+    (SELECT min(next_retry_at) FROM workflow_runs
+     WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+       AND next_retry_at > now() AND workflow = ANY(%(workflows)s::text[]))
+) - now())::float8;
+
+
+-- name: claim_key_heads
+-- Give the free slots of keys to the runs waiting for them, and claim those runs (the poller, for keyed
+-- workflows): of the keys of the given workflows with runs waiting, at most `visit` per workflow read in
+-- digest order from `start` (random bytes: digests are uniform, so every key's turn comes alike),
+-- wrapping around to the first; per key read, its oldest due waiting runs, as many as it has slots free
+-- below its workflow's limit (`limits`, paired with `workflows`), each taking the lowest free slot; at
+-- most `limit` runs, longest due first, the n-th under the n-th claim id. Keys are found by a loose scan
+-- of workflow_runs_key_queue (one probe per key, not per run waiting), so the cost is bounded by `visit`
+-- whatever the number of keys; the unique workflow_runs_key_slots makes a slot taken twice by racing
+-- claims fail instead.
+WITH RECURSIVE limits AS (
+    SELECT * FROM unnest(%(workflows)s::text[], %(limits)s::int[]) AS l (workflow, most)
+), upper_keys AS (
+    SELECT limits.workflow, limits.most, k.concurrency_key, 1 AS visited
+    FROM limits, LATERAL (
+        SELECT concurrency_key FROM workflow_runs
+        WHERE workflow = limits.workflow AND concurrency_key >= %(start)s
+          AND finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+        ORDER BY concurrency_key LIMIT 1
+    ) AS k
+    UNION ALL
+    SELECT u.workflow, u.most, k.concurrency_key, u.visited + 1
+    FROM upper_keys AS u, LATERAL (
+        SELECT concurrency_key FROM workflow_runs
+        WHERE workflow = u.workflow AND concurrency_key > u.concurrency_key
+          AND finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+        ORDER BY concurrency_key LIMIT 1
+    ) AS k
+    WHERE u.visited < %(visit)s
+), lower_keys AS (
+    SELECT limits.workflow, limits.most, k.concurrency_key,
+           1 + (SELECT count(*) FROM upper_keys AS u WHERE u.workflow = limits.workflow) AS visited
+    FROM limits, LATERAL (
+        SELECT concurrency_key FROM workflow_runs
+        WHERE workflow = limits.workflow AND concurrency_key < %(start)s
+          AND finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+        ORDER BY concurrency_key LIMIT 1
+    ) AS k
+    WHERE (SELECT count(*) FROM upper_keys AS u WHERE u.workflow = limits.workflow) < %(visit)s
+    UNION ALL
+    SELECT w.workflow, w.most, k.concurrency_key, w.visited + 1
+    FROM lower_keys AS w, LATERAL (
+        SELECT concurrency_key FROM workflow_runs
+        WHERE workflow = w.workflow AND concurrency_key > w.concurrency_key
+          AND concurrency_key < %(start)s
+          AND finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+        ORDER BY concurrency_key LIMIT 1
+    ) AS k
+    WHERE w.visited < %(visit)s
+), keys AS (
+    SELECT workflow, most, concurrency_key FROM upper_keys
+    UNION ALL
+    SELECT workflow, most, concurrency_key FROM lower_keys
+), free AS (
+    SELECT keys.workflow, keys.concurrency_key,
+           ARRAY(SELECT s FROM generate_series(0, keys.most - 1) AS s
+                 WHERE NOT EXISTS (SELECT FROM workflow_runs h
+                                   WHERE h.workflow = keys.workflow
+                                     AND h.concurrency_key = keys.concurrency_key
+                                     AND h.key_slot = s)
+                 ORDER BY s) AS slots
+    FROM keys
+), heads AS (
+    SELECT w.id, free.workflow, free.concurrency_key, free.slots
+    FROM free, LATERAL (
+        SELECT id FROM workflow_runs
+        WHERE workflow = free.workflow AND concurrency_key = free.concurrency_key
+          AND finished_at IS NULL AND key_slot IS NULL AND next_retry_at <= now()
+        ORDER BY created_at, id
+        LIMIT cardinality(free.slots)
+    ) AS w
+    WHERE cardinality(free.slots) > 0
+), pick AS (
+    SELECT r.id, r.created_at, r.next_retry_at FROM workflow_runs r
+    WHERE r.id = ANY(ARRAY(SELECT id FROM heads))  -- by primary key: never a walk of the open runs
+      AND r.claim_id IS NULL AND r.finished_at IS NULL AND r.key_slot IS NULL
+      AND r.next_retry_at <= now()
+    ORDER BY r.next_retry_at, r.created_at, r.id
+    LIMIT %(limit)s
+    FOR UPDATE OF r SKIP LOCKED
+), numbered AS (
+    SELECT pick.id,
+           heads.slots[row_number() OVER (PARTITION BY heads.workflow, heads.concurrency_key
+                                          ORDER BY pick.created_at, pick.id)] AS slot,
+           row_number() OVER (ORDER BY pick.next_retry_at, pick.created_at, pick.id) AS n
+    FROM pick JOIN heads ON heads.id = pick.id
+), claimed AS (
+    UPDATE workflow_runs r
+    SET claim_id = (%(claims)s::uuid[])[numbered.n], heartbeat_at = now(), status = 'running',
+        released_claim = NULL, key_slot = numbered.slot
+    FROM numbered WHERE r.id = numbered.id AND r.id = ANY(ARRAY(SELECT id FROM numbered))
+    RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
+              r.next_retry_at, r.traceparent, r.tracestate, r.concurrency_key
+)
+SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
+       c.current_seq, now(), c.sealed_for,
+       extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       t.output IS NOT NULL, t.output, t.failed_at
+FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
+ORDER BY c.created_at, c.id, t.seq;
 
 -- name: claimed_runs
 -- The runs these claims hold, with their snapshots: what a claim whose reply was lost took.
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM workflow_runs c JOIN workflow_tasks t ON t.run_id = c.id
 WHERE c.claim_id = ANY(%(claims)s::uuid[])
@@ -126,7 +344,10 @@ ORDER BY c.created_at, c.id, t.seq;
 
 
 -- name: complete_task
--- Record a task's output and move the run to its next task, or finish it (fenced).
+-- Record a task's output and move the run to its next task, or finish it (fenced); a keyed run that
+-- finishes frees its slot and, with wake_key and runs of its key waiting, wakes the pollers (its key's next
+-- run is claimable at once). A notification serialises the commits of every notifying transaction, so a
+-- poller that claims the key's next run itself (claim_key_head) passes wake_key false.
 WITH run AS (
     UPDATE workflow_runs
     SET current_seq = %(next_seq)s,
@@ -134,15 +355,21 @@ WITH run AS (
         finished_at = CASE WHEN %(finishes)s THEN now() END,
         claim_id = CASE WHEN %(finishes)s THEN NULL ELSE claim_id END,
         heartbeat_at = CASE WHEN %(finishes)s THEN NULL ELSE now() END,
-        released_claim = CASE WHEN %(finishes)s THEN claim_id END
+        released_claim = CASE WHEN %(finishes)s THEN claim_id END,
+        key_slot = CASE WHEN %(finishes)s THEN NULL ELSE key_slot END
     WHERE id = %(id)s AND claim_id = %(claim_id)s
-    RETURNING id
+    RETURNING id, CASE WHEN %(finishes)s AND %(wake_key)s AND concurrency_key IS NOT NULL
+                            AND EXISTS (SELECT FROM workflow_runs w
+                                   WHERE w.workflow = workflow_runs.workflow
+                                     AND w.concurrency_key = workflow_runs.concurrency_key
+                                     AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                       THEN pg_notify(%(channel)s, workflow) END AS woke
 )
 UPDATE workflow_tasks t
 SET output = %(output)s::jsonb, finished_at = now()
 FROM run
 WHERE t.run_id = run.id AND t.seq = %(seq)s
-RETURNING t.seq;
+RETURNING t.seq, run.woke;
 
 
 -- name: fail_task
@@ -175,13 +402,19 @@ SELECT run_id FROM task;
 
 
 -- name: park_run
--- Park the run on its task `seq`, stopped for a person with the last error, its claim let go, and its history row (fenced).
+-- Park the run on its task `seq`, stopped for a person with the last error, its claim let go, and its history row (fenced);
+-- a keyed run frees its slot and wakes the pollers as complete_task does.
 WITH run AS (
     UPDATE workflow_runs
     SET status = 'parked', finished_at = now(), claim_id = NULL, heartbeat_at = NULL,
-        released_claim = claim_id
+        released_claim = claim_id, key_slot = NULL
     WHERE id = %(id)s AND claim_id = %(claim_id)s
-    RETURNING id
+    RETURNING id, CASE WHEN %(wake_key)s AND concurrency_key IS NOT NULL
+                            AND EXISTS (SELECT FROM workflow_runs w
+                                   WHERE w.workflow = workflow_runs.workflow
+                                     AND w.concurrency_key = workflow_runs.concurrency_key
+                                     AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                       THEN pg_notify(%(channel)s, workflow) END AS woke
 ), task AS (
     UPDATE workflow_tasks t
     SET attempts = %(attempts)s,
@@ -195,7 +428,7 @@ WITH run AS (
     INSERT INTO workflow_events (run_id, kind, seq, attempt, error, error_code)
     SELECT run_id, 'parked', %(seq)s, %(attempts)s, %(error)s, %(code)s FROM task
 )
-SELECT run_id FROM task;
+SELECT task.run_id, run.woke FROM task, run;
 
 
 -- name: release_claim
@@ -258,6 +491,7 @@ FROM run LEFT JOIN bump ON bump.run_id = run.id;
 -- A run's status, times, the task it is on (for Failure), and whether it is claimable now.
 SELECT r.workflow, r.status, r.created_at, r.finished_at, t.name, t.error, t.error_code, t.attempts,
        r.claim_id IS NULL AND r.finished_at IS NULL AND r.next_retry_at <= now()
+       AND (r.concurrency_key IS NULL OR r.key_slot IS NOT NULL)
 FROM workflow_runs r
 LEFT JOIN workflow_tasks t ON t.run_id = r.id AND t.seq = r.current_seq
 WHERE r.id = %(id)s;
@@ -294,23 +528,25 @@ LEFT JOIN workflow_runs r ON r.id = c.run_id;
 
 
 -- name: cancel_runs
--- Cancel each run of ids that is neither succeeded nor cancelled: finished now, its claim dropped (its executor's next write matches nothing), a history row under the event id paired with it, a notice to the executing process; the ids it cancelled.
+-- Cancel each run of ids that is neither succeeded nor cancelled: finished now, its claim dropped (its executor's next write matches nothing), a keyed run's slot freed (and the pollers woken), a history row under the event id paired with it, a notice to the executing process; the ids it cancelled.
 WITH wanted AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(event_ids)s::uuid[]) AS w(id, event_id)
 ), run AS (
     UPDATE workflow_runs r
     SET status = 'cancelled', finished_at = now(), claim_id = NULL, heartbeat_at = NULL,
-        released_claim = NULL
+        released_claim = NULL, key_slot = NULL
     FROM wanted
     WHERE r.id = wanted.id AND r.status NOT IN ('succeeded', 'cancelled')
-    RETURNING r.id, wanted.event_id, r.current_seq, r.task_count
+    RETURNING r.id, wanted.event_id, r.current_seq, r.task_count, r.workflow,
+              r.concurrency_key IS NOT NULL AS keyed
 ), history AS (
     INSERT INTO workflow_events (id, run_id, kind, seq, actor, reason)
     SELECT event_id, id, 'cancelled', CASE WHEN current_seq <= task_count THEN current_seq END,
            %(actor)s, %(reason)s
     FROM run
 )
-SELECT id, pg_notify(%(cancels)s, id::text) FROM run;
+SELECT id, pg_notify(%(cancels)s, id::text), CASE WHEN keyed THEN pg_notify(%(channel)s, workflow) END
+FROM run;
 
 
 -- name: resume_runs
@@ -338,15 +574,17 @@ SELECT run.id, pg_notify(%(channel)s, run.workflow) FROM run;
 -- name: fork_run
 -- Start a new run of the same workflow and stored input with the outputs of the tasks before `from_seq`, recording forked_from, and the original's history row; a wake-up.
 WITH src AS (
-    SELECT id, workflow, input, input_sealed, context, context_sealed, task_count, sealed_for
+    SELECT id, workflow, input, input_sealed, context, context_sealed, task_count, sealed_for,
+           concurrency_key
     FROM workflow_runs WHERE id = %(id)s
 ), new AS (
     INSERT INTO workflow_runs (id, workflow, status, input, input_sealed, context, context_sealed,
-                               task_count, current_seq, forked_from, sealed_for)
+                               task_count, current_seq, forked_from, sealed_for, concurrency_key)
     SELECT %(new_id)s, workflow, 'pending', input, input_sealed, context, context_sealed,
            task_count, %(current_seq)s, id,
            CASE WHEN input_sealed IS NULL AND context_sealed IS NULL THEN NULL
-                ELSE coalesce(sealed_for, id) END
+                ELSE coalesce(sealed_for, id) END,
+           concurrency_key
     FROM src
     RETURNING id, workflow
 ), tasks AS (
@@ -387,10 +625,10 @@ LIMIT %(limit)s;
 
 
 -- name: run_detail
--- One run with its stored input, where it came from, and every task of its snapshot.
+-- One run with its stored input, where it came from, its key's digest and slot, and every task of its snapshot.
 SELECT r.id, r.workflow, r.status, r.created_at, r.finished_at, r.idempotency_key, r.current_seq,
        r.task_count, r.input, r.input_sealed IS NOT NULL, r.forked_from, r.claim_id IS NOT NULL,
-       r.next_retry_at, t.seq, t.name, t.skipped, t.attempts, t.error, t.error_code, t.finished_at
+       r.next_retry_at, r.concurrency_key, r.key_slot, t.seq, t.name, t.skipped, t.attempts, t.error, t.error_code, t.finished_at
 FROM workflow_runs r JOIN workflow_tasks t ON t.run_id = r.id
 WHERE r.id = %(id)s
 ORDER BY t.seq;
@@ -423,12 +661,13 @@ WHERE status = %(status)s AND finished_at IS NOT NULL
 
 
 -- name: queue_stats
--- Per workflow: runs pending and running, claimable now, the oldest claimable's age (s), stale claims, parked, and finished in the last day.
+-- Per workflow: runs pending and running, claimable now (not a keyed run waiting for a slot), the oldest claimable's age (s), stale claims, parked, and finished in the last day.
 WITH open AS (
-    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at,
+           concurrency_key IS NULL OR key_slot IS NOT NULL AS ready
     FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
     UNION ALL
-    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, false
     FROM workflow_runs WHERE claim_id IS NOT NULL
 ), finished AS (
     SELECT workflow, status FROM workflow_runs
@@ -441,9 +680,9 @@ WITH open AS (
     SELECT workflow,
            count(*) FILTER (WHERE status = 'pending') AS pending,
            count(*) FILTER (WHERE status = 'running') AS running,
-           count(*) FILTER (WHERE claim_id IS NULL AND next_retry_at <= now()) AS claimable,
+           count(*) FILTER (WHERE ready AND next_retry_at <= now()) AS claimable,
            extract(epoch FROM now() - min(greatest(created_at, next_retry_at))
-                   FILTER (WHERE claim_id IS NULL AND next_retry_at <= now()))::float8 AS oldest,
+                   FILTER (WHERE ready AND next_retry_at <= now()))::float8 AS oldest,
            count(*) FILTER (WHERE claim_id IS NOT NULL
                             AND heartbeat_at < now() - make_interval(secs => %(stale_after)s)) AS stale,
            0 AS parked, 0 AS succeeded, 0 AS cancelled
@@ -462,10 +701,11 @@ FROM per GROUP BY workflow ORDER BY workflow;
 
 -- name: queue_gauges
 -- Per workflow and status, the runs not finished and the parked ones; of those, how many are claimable
--- now and the oldest claimable's age (s); and per workflow the claims whose heartbeat is older than
+-- now (a keyed run waiting for a slot is not) and the oldest claimable's age (s); and per workflow the claims whose heartbeat is older than
 -- stale_after. Each branch reads one partial index (claimable, claimed, finished), never the history.
 WITH open AS (
-    SELECT workflow, status, next_retry_at <= now() AS claimable,
+    SELECT workflow, status,
+           next_retry_at <= now() AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AS claimable,
            greatest(created_at, next_retry_at) AS since, false AS stale
     FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
     UNION ALL

@@ -32,7 +32,8 @@ class ClaimedRun:
     the run its sealed documents were sealed for, when not this one (a fork).
     `waited` is how long it had been claimable when claimed, by the database
     clock (None on the fast path); `traceparent` and `tracestate` the span context
-    of its start (W3C trace-context headers), when one was stored.
+    of its start (W3C trace-context headers), when one was stored;
+    `concurrency_key` the digest of its key (SPEC 15), when it has one.
     """
 
     id: uuid.UUID
@@ -49,6 +50,7 @@ class ClaimedRun:
     waited: float | None = None
     traceparent: str | None = None
     tracestate: str | None = None
+    concurrency_key: bytes | None = None
 
 
 @attrs.frozen
@@ -71,7 +73,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     runs: list[ClaimedRun] = []
     tasks: list[TaskRow] = []
     for i, row in enumerate(rows):
-        tasks.append(TaskRow(*row[13:]))
+        tasks.append(TaskRow(*row[14:]))
         if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
             runs.append(
                 ClaimedRun(
@@ -88,6 +90,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
                     waited=row[10],
                     traceparent=row[11],
                     tracestate=row[12],
+                    concurrency_key=row[13],
                     tasks=tuple(tasks),
                 )
             )
@@ -141,6 +144,8 @@ class DetailRow:
     forked_from: uuid.UUID | None
     claimed: bool
     next_retry_at: datetime.datetime
+    concurrency_key: bytes | None
+    key_slot: int | None
     tasks: tuple[DetailTaskRow, ...]
 
 

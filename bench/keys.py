@@ -1,0 +1,315 @@
+"""Per-key limits (SPEC 15): what runs without a key pay for the feature, and how fast
+keyed backlogs drain.
+
+`fastpath`: the typed 3-task fast path (`Bench.Order`, unkeyed) of the code at
+`--before` (a git revision, on a database its own migrations built) against this
+checkout's (on this checkout's schema), each in its own process, alternating
+ABBA in slices from T threads. Per slice: runs/s, client CPU, server CPU (every
+`postgres` process), WAL bytes and write transactions per run; medians, and the
+median of the per-pair ratios after/before.
+
+`drain`: a backlog of `--runs` one-task runs (`Bench.Keyed`, one run per account
+at once) spread over K accounts, committed in one transaction while W worker
+processes wait, drained; beside the same backlog of `Bench.Unkeyed`. K = 1 gives
+the rate of one key's hand-off (a run finishes, the next of its key is claimed).
+
+    PYTHONPATH=. python bench/keys.py fastpath --before REV [--threads 1,8] [--rounds 4]
+    PYTHONPATH=. python bench/keys.py drain [--keys 1000,100,10,1] [--runs 5000] [--workers 3]
+    PYTHONPATH=. python bench/keys.py backlog --before REV [--runs 5000] [--workers 3] [--rounds 4]
+
+`backlog`: runs without keys on the worker path, the code at `--before` against
+this checkout's, each on its own schema: a backlog of `--runs` one-task runs of
+`Bench.One` (inserted by SQL, the same for both) drained by W worker processes
+of that code; alternating ABBA, the median runs/s of each and of the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from bench.common import REPO, emit, log, scratch_db
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def child(url: str, threads: int, seconds: float) -> None:
+    """One slice of the fast path, with the `workflow` found first on PYTHONPATH."""
+    import workflow
+    from bench.apps import Order, OrderFlow, order_registry
+    from bench.common import slice_loops
+    from bench.typed import _Server
+
+    mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
+
+    def engine(i: int, n: int) -> None:
+        run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
+        if run.wait(timeout=30) is not workflow.Status.SUCCEEDED:
+            raise RuntimeError(f"run {run.id} did not succeed")
+
+    slice_loops(engine, threads, 0.5, 0)  # warm up
+    server = _Server(url)
+    cpu0, wal0, xid0 = server.read()
+    runs, client = slice_loops(engine, threads, seconds, 10_000_000 * int(time.time() % 100))
+    cpu1, wal1, xid1 = server.read()
+    server.close()
+    mgr.close()
+    per = max(runs, 1)
+    print("SLICE " + json.dumps({
+        "runs_per_s": runs / seconds,
+        "client_cpu_ms": 1000 * client / per,
+        "server_cpu_ms": 1000 * (cpu1 - cpu0) / per,
+        "wal_bytes": (wal1 - wal0) / per,
+        "write_xacts": (xid1 - xid0) / per,
+        "code": os.path.dirname(os.path.dirname(workflow.__file__)),
+    }), flush=True)
+
+
+def _slice(root: str, url: str, threads: int, seconds: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONPATH": root}
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "keys.py"), "child", url, str(threads), str(seconds)],
+        env=env, cwd=root, check=True, capture_output=True, text=True,
+    ).stdout
+    [line] = [line for line in out.splitlines() if line.startswith("SLICE ")]
+    result: dict[str, Any] = json.loads(line[len("SLICE "):])
+    assert result["code"] == root, (result["code"], root)
+    return result
+
+
+def fastpath(before: str, threads_list: list[int], rounds: int, seconds: float) -> None:
+    old = tempfile.mkdtemp(prefix="pgwf-before-")
+    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", old, before],
+                   check=True, capture_output=True)
+    try:
+        urls = {}
+        for name, root in (("before", old), ("after", REPO)):
+            urls[name] = scratch_db(f"bench_keys_{name}", fresh=True)
+            subprocess.run(
+                [sys.executable, "-c",
+                 "import sys; from workflow.store import migrate; migrate(sys.argv[1])",
+                 urls[name]],
+                env={**os.environ, "PYTHONPATH": root}, cwd=root, check=True,
+            )
+        roots = {"before": old, "after": REPO}
+        for threads in threads_list:
+            samples: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
+            for r in range(rounds):
+                order = ("before", "after") if r % 2 == 0 else ("after", "before")
+                for name in order:
+                    samples[name].append(_slice(roots[name], urls[name], threads, seconds))
+                log(f"fastpath: {threads} thread(s), round {r + 1}/{rounds}")
+            keys = ("runs_per_s", "client_cpu_ms", "server_cpu_ms", "wal_bytes", "write_xacts")
+            result: dict[str, Any] = {"bench": "keys.fastpath", "threads": threads,
+                                      "before_rev": before}
+            for name in ("before", "after"):
+                result[name] = {k: statistics.median(s[k] for s in samples[name]) for k in keys}
+            result["after/before"] = {
+                k: statistics.median(
+                    a[k] / b[k] for a, b in zip(samples["after"], samples["before"], strict=True)
+                )
+                for k in keys
+            }
+            emit(result)
+            print(f"\n{threads} thread(s)      " + "".join(f"{k:>15}" for k in keys))
+            for name in ("before", "after", "after/before"):
+                print(f"  {name:<16}" + "".join(f"{result[name][k]:>15.3f}" for k in keys))
+    finally:
+        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
+                       check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def _workers(root: str, url: str, app: str, workers: int, concurrency: int) -> Iterator[None]:
+    """`workers` worker processes of the code at `root`, up (LISTENing) on entry, stopped
+    on exit."""
+    import psycopg
+
+    with tempfile.TemporaryFile("w+") as logs:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "workflow.worker", "--app", app, "--database-url", url,
+                 "--concurrency", str(concurrency), "--log-level", "warning"],
+                env={**os.environ, "PYTHONPATH": root}, cwd=root, stderr=logs,
+            )
+            for _ in range(workers)
+        ]
+        try:
+            with psycopg.connect(url, autocommit=True) as probe:
+                while True:
+                    row = probe.execute(
+                        "SELECT count(*) FROM pg_stat_activity WHERE datname = "
+                        "current_database() AND query = 'LISTEN workflow_runs'"
+                    ).fetchone()
+                    if row is not None and row[0] >= workers:
+                        break
+                    if any(proc.poll() is not None for proc in procs):
+                        logs.seek(0)
+                        raise RuntimeError("a worker exited:\n" + logs.read())
+                    time.sleep(0.05)
+            yield
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(30)
+
+
+def _until_succeeded(conn: Any, runs: int) -> float:
+    """Seconds until `runs` runs have succeeded, from now."""
+    started = time.monotonic()
+    while True:
+        row = conn.execute(
+            "SELECT count(*) FROM workflow_runs WHERE status = 'succeeded'"
+        ).fetchone()
+        if row is not None and row[0] >= runs:
+            return time.monotonic() - started
+        time.sleep(0.02)
+
+
+def _drain_once(url: str, keyed: bool, keys: int, runs: int, workers: int,
+                concurrency: int) -> float:
+    """Runs/s of one drain: `runs` runs over `keys` accounts, `workers` worker processes."""
+    import psycopg
+
+    import workflow
+    from bench.apps import Keyed, Payment, Unkeyed, keys_factory
+    from workflow.store import migrate
+
+    scratch_db("bench_keys_drain", fresh=True)
+    migrate(url)
+    with _workers(REPO, url, "bench.apps:keys_factory", workers, concurrency):
+        mgr = workflow.Manager(url, keys_factory(), workflow.Config(tracing=False))
+        wf = Keyed if keyed else Unkeyed
+        with psycopg.connect(url) as conn:
+            with conn.transaction():
+                for n in range(runs):
+                    wf.start_tx(conn, mgr, Payment(account=n % keys, n=n))
+            conn.autocommit = True
+            elapsed = _until_succeeded(conn, runs)
+        mgr.close()
+        return runs / elapsed
+
+
+BACKLOG = """
+WITH runs AS (
+    INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq, created_at)
+    SELECT gen_random_uuid(), 'Bench.One', 'pending', jsonb_build_object('n', i), 1, 1,
+           clock_timestamp()
+    FROM generate_series(1, %(runs)s) AS i
+    RETURNING id
+)
+INSERT INTO workflow_tasks (run_id, seq, name) SELECT id, 1, 'bench.a' FROM runs
+"""
+
+
+def _backlog_once(root: str, url_name: str, runs: int, workers: int, concurrency: int) -> float:
+    import psycopg
+
+    url = scratch_db(url_name, fresh=True)
+    subprocess.run(
+        [sys.executable, "-c",
+         "import sys; from workflow.store import migrate; migrate(sys.argv[1])", url],
+        env={**os.environ, "PYTHONPATH": root}, cwd=root, check=True,
+    )
+    with (
+        _workers(root, url, "bench.apps:factory", workers, concurrency),
+        psycopg.connect(url, autocommit=True) as conn,
+    ):
+        with conn.transaction():
+            conn.execute(BACKLOG, {"runs": runs})
+            conn.execute("SELECT pg_notify('workflow_runs', 'Bench.One')")
+        return runs / _until_succeeded(conn, runs)
+
+
+def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int) -> None:
+    old = tempfile.mkdtemp(prefix="pgwf-before-")
+    subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", old, before],
+                   check=True, capture_output=True)
+    try:
+        roots = {"before": old, "after": REPO}
+        rates: dict[str, list[float]] = {"before": [], "after": []}
+        for r in range(rounds):
+            order = ("before", "after") if r % 2 == 0 else ("after", "before")
+            for name in order:
+                rates[name].append(
+                    _backlog_once(roots[name], f"bench_keys_{name}", runs, workers, concurrency)
+                )
+            log(f"backlog: round {r + 1}/{rounds}")
+        ratio = statistics.median(a / b for a, b in zip(rates["after"], rates["before"],
+                                                         strict=True))
+        emit({"bench": "keys.backlog", "before_rev": before, "runs": runs, "workers": workers,
+              "before_runs_per_s": statistics.median(rates["before"]),
+              "after_runs_per_s": statistics.median(rates["after"]), "after/before": ratio})
+        print(f"\nunkeyed backlog of {runs}, {workers} workers: before "
+              f"{statistics.median(rates['before']):.0f} runs/s, after "
+              f"{statistics.median(rates['after']):.0f} runs/s, after/before {ratio:.3f}")
+    finally:
+        subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
+                       check=False, capture_output=True)
+
+
+def drain(keys_list: list[int], runs: int, workers: int, concurrency: int, rounds: int) -> None:
+    url = scratch_db("bench_keys_drain", fresh=True)
+    print(f"\n{'accounts':>8} {'runs':>7} {'keyed runs/s':>14} {'unkeyed runs/s':>16} "
+          f"{'keyed/unkeyed':>14}")
+    for keys in keys_list:
+        n = min(runs, keys * 200) if keys < 10 else runs
+        keyed_rates, free_rates = [], []
+        for r in range(rounds):
+            order = (True, False) if r % 2 == 0 else (False, True)
+            for keyed in order:
+                rate = _drain_once(url, keyed, keys, n, workers, concurrency)
+                (keyed_rates if keyed else free_rates).append(rate)
+        keyed_rate, free_rate = statistics.median(keyed_rates), statistics.median(free_rates)
+        emit({"bench": "keys.drain", "accounts": keys, "runs": n, "workers": workers,
+              "concurrency": concurrency, "keyed_runs_per_s": keyed_rate,
+              "unkeyed_runs_per_s": free_rate})
+        print(f"{keys:>8} {n:>7} {keyed_rate:>14.0f} {free_rate:>16.0f} "
+              f"{keyed_rate / free_rate:>14.2f}", flush=True)
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "child":
+        child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="what", required=True)
+    fp = sub.add_parser("fastpath")
+    fp.add_argument("--before", required=True)
+    fp.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
+    fp.add_argument("--rounds", type=int, default=4)
+    fp.add_argument("--slice", type=float, default=3.0)
+    dr = sub.add_parser("drain")
+    dr.add_argument("--keys", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[1000, 100, 10, 1])
+    dr.add_argument("--runs", type=int, default=5000)
+    dr.add_argument("--workers", type=int, default=3)
+    dr.add_argument("--concurrency", type=int, default=16)
+    dr.add_argument("--rounds", type=int, default=2)
+    bl = sub.add_parser("backlog")
+    bl.add_argument("--before", required=True)
+    bl.add_argument("--runs", type=int, default=5000)
+    bl.add_argument("--workers", type=int, default=3)
+    bl.add_argument("--concurrency", type=int, default=16)
+    bl.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+    if args.what == "fastpath":
+        fastpath(args.before, args.threads, args.rounds, args.slice)
+    elif args.what == "backlog":
+        backlog(args.before, args.runs, args.workers, args.concurrency, args.rounds)
+    else:
+        drain(args.keys, args.runs, args.workers, args.concurrency, args.rounds)
+
+
+if __name__ == "__main__":
+    main()

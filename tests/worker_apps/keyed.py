@@ -1,0 +1,90 @@
+"""A keyed workflow (SPEC 15) whose handler stamps its entry and exit in `key_ledger`.
+
+`Keyed.Transfer` takes `Move(account, n, hold)`: one task that records its entry
+(database clock, `clock_timestamp()`), sleeps `hold` seconds on its first attempt
+(0.02 s on later ones), and records its exit; so a test can check from the ledger
+alone that no two runs of a key overlapped and that a key's runs went in order.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import attrs
+
+import workflow
+
+from .ledger import _connections
+
+CREATE_TABLE = """
+CREATE TABLE key_ledger (
+    run_id     uuid NOT NULL,
+    account    text NOT NULL,
+    n          integer NOT NULL,
+    attempt    integer NOT NULL,
+    pid        integer NOT NULL,
+    entered_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    left_at    timestamptz
+)
+"""
+
+
+@attrs.frozen
+class Move:
+    account: str
+    n: int
+    hold: float = 0.05
+
+
+@attrs.frozen
+class Moved:
+    n: int
+
+
+Transfer = workflow.Workflow("Keyed.Transfer", Move)
+STEP = workflow.Task("keyed.move", Moved)
+
+
+def _move(run: workflow.TaskRun[Move]) -> Moved:
+    move = run.input
+    with _connections().connection() as conn:
+        conn.execute(
+            "INSERT INTO key_ledger (run_id, account, n, attempt, pid) VALUES (%s, %s, %s, %s, %s)",
+            (run.run_id, move.account, move.n, run.attempt, os.getpid()),
+        )
+    time.sleep(move.hold if run.attempt == 1 else 0.02)
+    with _connections().connection() as conn:
+        conn.execute(
+            "UPDATE key_ledger SET left_at = clock_timestamp() "
+            "WHERE run_id = %s AND attempt = %s",
+            (run.run_id, run.attempt),
+        )
+    return Moved(move.n)
+
+
+def registry(concurrency: int = 1) -> workflow.Registry:
+    """`Keyed.Transfer`, at most `concurrency` runs of one account at once."""
+    reg = workflow.Registry()
+    reg.register(
+        workflow.define(
+            Transfer,
+            workflow.handle(STEP, _move),
+            concurrency_key=lambda m: m.account,
+            concurrency=concurrency,
+        )
+    )
+    return reg
+
+
+def three() -> workflow.Registry:
+    """`Keyed.Transfer` with three runs of one account at once."""
+    return registry(3)
+
+
+QUICK_SWEEP = workflow.Config(sweep_max_age=3, default_task_timeout=2, max_in_process_backoff=0.5)
+"""A killed worker's claim is stale after 3 s (an attempt may last 2 s)."""
+
+
+def quick_sweep_app() -> workflow.App:
+    return workflow.App(registry(), config=QUICK_SWEEP)
