@@ -248,3 +248,30 @@ def spawn(engine_url: str) -> Iterator[Any]:
     yield start
     for worker in started:
         worker.kill()
+
+
+@pytest.fixture
+def wsgi_server() -> Iterator[Any]:
+    """`wsgi_server(app)` serves a WSGI application on waitress, on a free loopback port, until
+    the test ends; its base URL."""
+    import contextlib
+    import threading
+
+    import waitress
+
+    servers: list[Any] = []
+
+    def start(app: Any) -> str:
+        server = waitress.create_server(app, host="127.0.0.1", port=0, threads=4)
+
+        def run() -> None:
+            with contextlib.suppress(OSError):  # closed at teardown
+                server.run()
+
+        threading.Thread(target=run, daemon=True).start()
+        servers.append(server)
+        return f"http://127.0.0.1:{server.effective_port}"
+
+    yield start
+    for server in servers:
+        server.close()

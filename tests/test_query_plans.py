@@ -230,6 +230,7 @@ def test_listing_runs_newest_first_reads_the_created_index(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     params = {"statuses": None, "workflow": None, "since": None, "until": None,
+              "task": None, "match_code": False, "code": None,
               "after_at": None, "after_id": None, "limit": 51}
     scans = _scans(_plan(plan_db, "list_runs", params))
     assert _uses_index(scans, "workflow_runs_created"), scans

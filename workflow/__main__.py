@@ -10,6 +10,7 @@
     python -m workflow prune [--older-than 7d] ...    see and steer runs (admin_cli.py)
     python -m workflow schedules list|pause|resume|trigger ...
     python -m workflow stats [--json]
+    python -m workflow dashboard [--host H] [--port 8420] [--read-only] [--password-file F]
 
 The URL defaults to `$WORKFLOW_DATABASE_URL`. Exit codes: 0 success, 1 failure
 (unreachable database, schema behind, a failed migration), 2 usage error. Every
@@ -93,6 +94,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.database_url)
 
 
+def _cmd_dashboard(args: argparse.Namespace) -> int:
+    """Serve the dashboard (workflow/contrib/dashboard) until interrupted."""
+    try:
+        from workflow.contrib.dashboard import make_app, password_authorizer
+        from workflow.contrib.dashboard.serve import check_bind, read_password, serve
+    except ImportError as exc:
+        raise CommandFailed(
+            f"workflow: the dashboard needs pip install 'pgworkflow[dashboard]' ({exc})"
+        ) from None
+    try:
+        password = read_password(args.password_file)
+        check_bind(args.host, guarded=password is not None)
+    except WorkflowError as exc:
+        raise CommandFailed(str(exc)) from None
+    url = database_url(args.database_url, f"{PROG} dashboard")
+    authorize = None if password is None else password_authorizer(password)
+    try:
+        app = make_app(url, authorize=authorize, read_only=args.read_only)
+    except WorkflowError as exc:
+        raise CommandFailed(str(exc)) from None
+    shown = f"[{args.host}]" if ":" in args.host else args.host
+    print(f"workflow: dashboard on http://{shown}:{args.port}/"
+          + (" (read-only)" if args.read_only else ""), file=sys.stderr, flush=True)
+    try:
+        serve(app, args.host, args.port)
+    except OSError as exc:
+        raise CommandFailed(f"workflow: the dashboard cannot listen on {shown}:{args.port}: "
+                            f"{exc}") from None
+    finally:
+        app.close()
+    return 0
+
+
 def _parser() -> Parser:
     parser = Parser(
         prog=PROG,
@@ -134,6 +168,25 @@ def _parser() -> Parser:
         ),
     )
     demo_cmd.set_defaults(func=_cmd_demo)
+
+    dashboard_cmd = commands.add_parser(
+        "dashboard",
+        parents=[database],
+        help="serve the web dashboard (pip install 'pgworkflow[dashboard]')",
+        description=(
+            "Serve the dashboard: runs, one run's timeline, the parked inbox, schedules and "
+            "queue health, with cancel and resume. It listens on 127.0.0.1 unless given a "
+            "host, and refuses a host other machines reach without a password (from "
+            "--password-file, or $WORKFLOW_DASHBOARD_PASSWORD; user 'admin')."
+        ),
+    )
+    dashboard_cmd.add_argument("--host", default="127.0.0.1", help="the address to listen on")
+    dashboard_cmd.add_argument("--port", type=int, default=8420, help="the port (8420)")
+    dashboard_cmd.add_argument("--read-only", action="store_true",
+                               help="show no action; refuse every POST")
+    dashboard_cmd.add_argument("--password-file", metavar="FILE",
+                               help="a file whose first line is the password (HTTP Basic)")
+    dashboard_cmd.set_defaults(func=_cmd_dashboard)
     add_commands(commands, database)
     return parser
 

@@ -30,6 +30,8 @@ from workflow.durations import Duration, seconds
 from workflow.errors import NotResumable, RunNotFound, ScheduleNotFound, WorkflowError
 from workflow.run import Failure, RunStatus, Status
 from workflow.store import (
+    ANY_CODE,
+    AnyCode,
     DetailRow,
     ListedRow,
     QueueDepth,
@@ -42,6 +44,7 @@ from workflow.store.connections import connect_explained, make_pool, normalize_u
 from workflow.waiting import read_status, run_status
 
 __all__ = [
+    "ANY_CODE",
     "Admin",
     "HistoryEntry",
     "QueueDepth",
@@ -51,6 +54,7 @@ __all__ = [
     "RunSummary",
     "ScheduleState",
     "TaskState",
+    "Throughput",
     "WorkflowStats",
 ]
 
@@ -130,6 +134,14 @@ class RunDetail(RunSummary):
     history: tuple[HistoryEntry, ...]
     concurrency_key: str | None = None
     key_state: str | None = None
+
+
+@attrs.frozen
+class Throughput:
+    """Runs finished per minute over the last `minutes` (database clock), oldest minute
+    first, every minute present: (minute, succeeded, parked, cancelled)."""
+
+    minutes: tuple[tuple[datetime.datetime, int, int, int], ...]
 
 
 @attrs.frozen
@@ -308,12 +320,16 @@ class Admin:
         until: When = None,
         limit: int = 50,
         after: str | None = None,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> RunPage:
         """Runs newest first, matching every filter given; one page of at most `limit`.
 
         `since`/`until` bound `created_at` (an aware datetime, or a timedelta: that
-        long ago); `after` is the `next` of the previous page. Raises `ValueError`
-        for an unknown status, a naive datetime, a bad limit or page token.
+        long ago); `after` is the `next` of the previous page; `task` is the task a
+        run is on (or stopped on), `code` its last failure's code (None: failures
+        without one; `ANY_CODE`, the default: any). Raises `ValueError` for an
+        unknown status, a naive datetime, a bad limit or page token.
         """
         if not isinstance(limit, int) or isinstance(limit, bool) or not 1 <= limit <= 10_000:
             raise ValueError(f"limit must be an int from 1 to 10000, got {limit!r}")
@@ -324,6 +340,8 @@ class Admin:
             until=_when(until, "until"),
             after=_cursor(after),
             limit=limit + 1,
+            task=task,
+            code=code,
         )
         items = tuple(_summary(row) for row in rows[:limit])
         more = len(rows) > limit
@@ -338,6 +356,8 @@ class Admin:
         workflow: str | None = None,
         since: When = None,
         until: When = None,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> int:
         """How many runs match the filters of `runs()` (what a bulk action would touch)."""
         return self._store.count_runs(
@@ -345,6 +365,8 @@ class Admin:
             workflow=workflow,
             since=_when(since, "since"),
             until=_when(until, "until"),
+            task=task,
+            code=code,
         )
 
     def run(self, run_id: str) -> RunDetail:
@@ -397,6 +419,24 @@ class Admin:
             workflows=tuple(self._store.queue_stats(self._stale_after)),
             stale_after=self._stale_after,
         )
+
+    def throughput(self, minutes: int = 60) -> Throughput:
+        """Runs finished in each of the last `minutes` minutes (1 to 1440), by status; one
+        index range scan per status."""
+        if not isinstance(minutes, int) or isinstance(minutes, bool) or not 1 <= minutes <= 1440:
+            raise ValueError(f"minutes must be an int from 1 to 1440, got {minutes!r}")
+        counts: dict[tuple[datetime.datetime, str], int] = {
+            (minute, status): n for minute, status, n in self._store.finished_per_minute(minutes)
+        }
+        now = self._store.db_now().replace(second=0, microsecond=0)
+        rows = []
+        for back in range(minutes - 1, -1, -1):
+            minute = now - datetime.timedelta(minutes=back)
+            rows.append((
+                minute, counts.get((minute, "succeeded"), 0), counts.get((minute, "parked"), 0),
+                counts.get((minute, "cancelled"), 0),
+            ))
+        return Throughput(minutes=tuple(rows))
 
     def depth(self) -> tuple[QueueDepth, ...]:
         """Per workflow and status, the runs not finished and the parked ones, with how
@@ -522,14 +562,17 @@ class Admin:
         actor: str | None = None,
         batch_size: int = 100,
         progress: Callable[[int], None] | None = None,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> int:
-        """Cancel every run matching the filters of `runs()`, in batches; how many changed.
+        """Cancel every run matching the filters of `runs()` (`task` and `code` included),
+        in batches; how many changed.
 
         `progress(count)` is called after each batch with the running total.
         """
         return self._matching(
             self._store.cancel_runs, status, workflow, since, until, reason, actor,
-            batch_size, progress,
+            batch_size, progress, task, code,
         )
 
     def resume_matching(
@@ -543,12 +586,14 @@ class Admin:
         actor: str | None = None,
         batch_size: int = 100,
         progress: Callable[[int], None] | None = None,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> int:
         """Resume every resumable run matching the filters of `runs()` (default: parked
         ones), in batches; how many changed."""
         return self._matching(
             self._store.resume_runs, status, workflow, since, until, reason, actor,
-            batch_size, progress,
+            batch_size, progress, task, code,
         )
 
     def _matching(
@@ -562,6 +607,8 @@ class Admin:
         actor: str | None,
         batch_size: int,
         progress: Callable[[int], None] | None,
+        task: str | None,
+        code: str | AnyCode | None,
     ) -> int:
         if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
@@ -571,6 +618,8 @@ class Admin:
             "workflow": workflow,
             "since": _when(since, "since"),
             "until": _when(until, "until"),
+            "task": task,
+            "code": code,
         }
         after: tuple[datetime.datetime, uuid.UUID] | None = None
         total = 0

@@ -52,10 +52,12 @@ from workflow.store.rows import (
 )
 
 __all__ = [
+    "ANY_CODE",
     "CANCELS",
     "CHANNEL",
     "KEY_SLOTS",
     "SCHEMA_VERSION",
+    "AnyCode",
     "ClaimedRun",
     "DetailRow",
     "DetailTaskRow",
@@ -166,6 +168,24 @@ def _definitions(mine: Sequence[tuple[str, str, str]]) -> dict[str, list[str]]:
         "crons": [m[1] for m in mine],
         "zones": [m[2] for m in mine],
     }
+
+
+class AnyCode:
+    """The type of `ANY_CODE`."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ANY_CODE"
+
+
+ANY_CODE = AnyCode()
+"""For a `code` filter: any code, or none (the filter is off)."""
+
+
+def _task_filter(task: str | None, code: str | AnyCode | None) -> dict[str, Any]:
+    matching = not isinstance(code, AnyCode)
+    return {"task": task, "match_code": matching, "code": code if matching else None}
 
 
 def _execute(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Rows:
@@ -607,8 +627,14 @@ class Store:
         until: datetime.datetime | None,
         after: tuple[datetime.datetime, uuid.UUID] | None,
         limit: int,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> list[ListedRow]:
-        """Runs newest first, matching every filter given, after the keyset `after`."""
+        """Runs newest first, matching every filter given, after the keyset `after`.
+
+        `task`: the task the run is on; `code`: its last failure's code (None: no
+        code), unless `ANY_CODE`.
+        """
         rows = self._run(
             "list_runs",
             {
@@ -616,6 +642,7 @@ class Store:
                 "workflow": workflow,
                 "since": since,
                 "until": until,
+                **_task_filter(task, code),
                 "after_at": None if after is None else after[0],
                 "after_id": None if after is None else after[1],
                 "limit": limit,
@@ -630,8 +657,10 @@ class Store:
         workflow: str | None,
         since: datetime.datetime | None,
         until: datetime.datetime | None,
+        task: str | None = None,
+        code: str | AnyCode | None = ANY_CODE,
     ) -> int:
-        """How many runs match every filter given."""
+        """How many runs match every filter given (those of `list_runs`)."""
         rows = self._run(
             "count_runs",
             {
@@ -639,9 +668,17 @@ class Store:
                 "workflow": workflow,
                 "since": since,
                 "until": until,
+                **_task_filter(task, code),
             },
         )
         return int(rows[0][0])
+
+    def finished_per_minute(self, minutes: int) -> list[tuple[datetime.datetime, str, int]]:
+        """(minute, status, runs) finished in each of the last `minutes` minutes that had any."""
+        return [
+            (row[0].astimezone(_UTC), row[1], int(row[2]))
+            for row in self._run("finished_per_minute", {"minutes": minutes})
+        ]
 
     def cancel_runs(
         self, run_ids: Sequence[uuid.UUID], *, actor: str | None, reason: str | None

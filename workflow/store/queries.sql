@@ -609,7 +609,7 @@ SELECT run_id FROM workflow_events WHERE id = ANY(%(event_ids)s::uuid[]);
 
 
 -- name: list_runs
--- Runs newest first, filtered, from after the (created_at, id) of the previous page; with the task each is on and its failure.
+-- Runs newest first, filtered (the task a run is on, and its last failure's code, when match_code), from after the (created_at, id) of the previous page; with the task each is on and its failure.
 SELECT r.id, r.workflow, r.status, r.created_at, r.finished_at, r.idempotency_key,
        CASE WHEN r.current_seq <= r.task_count THEN t.name END,
        t.error, t.error_code, t.attempts
@@ -620,6 +620,11 @@ WHERE (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))
   AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s)
   AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s)
   AND (%(after_at)s::timestamptz IS NULL OR (r.created_at, r.id) < (%(after_at)s, %(after_id)s::uuid))
+  AND (%(task)s::text IS NULL AND NOT %(match_code)s OR EXISTS (
+      SELECT FROM workflow_tasks f
+      WHERE f.run_id = r.id AND f.seq = r.current_seq AND r.current_seq <= r.task_count
+        AND (%(task)s::text IS NULL OR f.name = %(task)s)
+        AND (NOT %(match_code)s OR f.error_code IS NOT DISTINCT FROM %(code)s::text)))
 ORDER BY r.created_at DESC, r.id DESC
 LIMIT %(limit)s;
 
@@ -728,7 +733,22 @@ SELECT count(*) FROM workflow_runs r
 WHERE (%(statuses)s::text[] IS NULL OR r.status = ANY(%(statuses)s::text[]))
   AND (%(workflow)s::text IS NULL OR r.workflow = %(workflow)s)
   AND (%(since)s::timestamptz IS NULL OR r.created_at >= %(since)s)
-  AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s);
+  AND (%(until)s::timestamptz IS NULL OR r.created_at < %(until)s)
+  AND (%(task)s::text IS NULL AND NOT %(match_code)s OR EXISTS (
+      SELECT FROM workflow_tasks f
+      WHERE f.run_id = r.id AND f.seq = r.current_seq AND r.current_seq <= r.task_count
+        AND (%(task)s::text IS NULL OR f.name = %(task)s)
+        AND (NOT %(match_code)s OR f.error_code IS NOT DISTINCT FROM %(code)s::text)));
+
+
+-- name: finished_per_minute
+-- Runs finished in each minute of the last `minutes` (database clock), by status; minutes with none are absent.
+-- Reads workflow_runs_finished: three range scans, never the older history.
+SELECT date_trunc('minute', finished_at), status, count(*)
+FROM workflow_runs
+WHERE status IN ('succeeded', 'parked', 'cancelled') AND finished_at IS NOT NULL
+  AND finished_at >= date_trunc('minute', now()) - make_interval(mins => %(minutes)s - 1)
+GROUP BY 1, 2 ORDER BY 1;
 
 
 -- name: db_now
