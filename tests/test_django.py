@@ -130,6 +130,9 @@ def test_the_row_and_the_run_commit_or_roll_back_together(
             (run_id,),
         ).fetchone() or (None,)
         assert executed_by == server.pid
+        # The example mounts the dashboard at /ops/workflow (pgworkflow[dashboard]).
+        with urllib.request.urlopen(f"{base}/ops/workflow/runs/{run_id}", timeout=10) as page:
+            assert page.status == 200 and "succeeded" in page.read().decode()
 
         over = {"account": "acct-2", "amount_cents": DAILY_LIMIT_CENTS + 1}
         status, body = http("POST", f"{base}/transfers", over)

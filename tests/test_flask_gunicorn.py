@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -147,6 +148,9 @@ def test_runs_started_under_gunicorn_complete_on_the_fast_path_of_their_worker(
     wrong = {i: (served[i], executed.get(i)) for i in ids if executed.get(i) != served[i]}
     assert not wrong, f"runs executed elsewhere than the process that served them: {wrong}"
     assert set(served.values()) == _booted(server), "both Gunicorn workers served requests"
+    # The example mounts the dashboard at /ops/workflow (pgworkflow[dashboard]).
+    with urllib.request.urlopen(f"{base}/ops/workflow/runs/{ids[0]}", timeout=10) as page:
+        assert page.status == 200 and "succeeded" in page.read().decode()
 
     server.terminate()
     assert server.wait(60) == 0, server.output

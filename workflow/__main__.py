@@ -112,6 +112,7 @@ def _cmd_dashboard(args: argparse.Namespace) -> int:
     authorize = None if password is None else password_authorizer(password)
     try:
         app = make_app(url, authorize=authorize, read_only=args.read_only)
+        app.admin  # noqa: B018 - connect now: a bad URL or schema fails here, not per page
     except WorkflowError as exc:
         raise CommandFailed(str(exc)) from None
     shown = f"[{args.host}]" if ":" in args.host else args.host

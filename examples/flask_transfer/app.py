@@ -107,7 +107,27 @@ def create_app() -> Flask:
             "finished_at": status.finished_at and status.finished_at.isoformat(),
         }, 200
 
+    _mount_dashboard(app)
     return app
+
+
+def _loopback_only(environ: dict[str, Any]) -> str | None:
+    """The example's dashboard access rule: write from this machine, nothing otherwise."""
+    return "write" if environ.get("REMOTE_ADDR") in ("127.0.0.1", "::1") else None
+
+
+def _mount_dashboard(app: Flask) -> None:
+    """The dashboard at /ops/workflow, when pgworkflow[dashboard] is installed. Its
+    Admin and pool are built on its first request in each Gunicorn worker, never in
+    the master."""
+    try:
+        from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+        from workflow.contrib.dashboard import make_app
+    except ImportError:
+        return
+    dashboard = make_app(lambda: os.environ["WORKFLOW_DATABASE_URL"], authorize=_loopback_only)
+    app.wsgi_app = DispatcherMiddleware(app.wsgi_app, {"/ops/workflow": dashboard})  # type: ignore[method-assign]
 
 
 app = create_app()

@@ -14,6 +14,7 @@ import hmac
 import http
 import json
 import secrets
+import threading
 import urllib.parse
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Literal
@@ -116,9 +117,16 @@ class Dashboard:
     """The WSGI application `make_app` returns (call it with `environ, start_response`)."""
 
     def __init__(
-        self, admin: Admin, *, authorize: Authorize | None, read_only: bool, owns: bool
+        self,
+        admin: Callable[[], Admin],
+        *,
+        authorize: Authorize | None,
+        read_only: bool,
+        owns: bool,
     ) -> None:
-        self.admin = admin
+        self._build = admin
+        self._admin: Admin | None = None
+        self._lock = threading.Lock()
         self.authorize = authorize
         self.read_only = read_only
         self._owns = owns
@@ -130,10 +138,22 @@ class Dashboard:
         self._templates.filters["ago"] = _ago
         self._templates.filters["when"] = _when
 
+    @property
+    def admin(self) -> Admin:
+        """The `Admin` behind every page, built on first use (so that a pre-forking
+        server's master, which imports the application, opens no connection)."""
+        admin = self._admin
+        if admin is None:
+            with self._lock:
+                if self._admin is None:
+                    self._admin = self._build()
+                admin = self._admin
+        return admin
+
     def close(self) -> None:
         """Close the Admin (and its pool) when `make_app` built it."""
-        if self._owns:
-            self.admin.close()
+        if self._owns and self._admin is not None:
+            self._admin.close()
 
     # WSGI.
 
@@ -394,13 +414,17 @@ class Dashboard:
 
 
 def make_app(
-    db: Admin | ConnectionPool[Any] | str,
+    db: Admin | ConnectionPool[Any] | str | Callable[[], ConnectionPool[Any] | str],
     *,
     authorize: Authorize | None = None,
     read_only: bool = False,
 ) -> Dashboard:
-    """The dashboard as a WSGI application over `db` (an `Admin`, a pool, or a URL).
+    """The dashboard as a WSGI application over `db`: an `Admin`, a pool, a URL, or a
+    function returning a pool or a URL (called on the first request: for a pool a
+    pre-forking server builds in each worker).
 
+    The `Admin` is built on the first request (read `app.admin` to build it now);
+    with a pool or a URL it is this app's, closed by `app.close()`.
     `authorize(environ)` returns "write", "read" or None (refused: 403, or 401 with
     a Basic challenge for `password_authorizer`); without it every request may act.
     `read_only` shows no action and refuses every POST. Mount it under any prefix:
@@ -409,8 +433,20 @@ def make_app(
     if authorize is not None and not callable(authorize):
         raise TypeError(f"authorize must be a function of the WSGI environ, not {authorize!r}")
     if isinstance(db, Admin):
-        return Dashboard(db, authorize=authorize, read_only=read_only, owns=False)
-    return Dashboard(Admin(db), authorize=authorize, read_only=read_only, owns=True)
+        admin = db
+        return Dashboard(lambda: admin, authorize=authorize, read_only=read_only, owns=False)
+    if isinstance(db, (ConnectionPool, str)):
+        source: ConnectionPool[Any] | str = db
+        return Dashboard(lambda: Admin(source), authorize=authorize, read_only=read_only,
+                         owns=True)
+    if not callable(db):
+        raise TypeError(
+            "make_app() takes an Admin, a ConnectionPool, a URL or a function returning one "
+            f"of the last two, not {type(db).__name__}"
+        )
+    factory = db
+    return Dashboard(lambda: Admin(factory()), authorize=authorize, read_only=read_only,
+                     owns=True)
 
 
 def _pairs(text: str) -> dict[str, str]:
