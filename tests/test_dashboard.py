@@ -382,3 +382,15 @@ def test_the_command_serves_the_dashboard_on_loopback(db_url: str) -> None:
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_the_dashboard_sends_no_sql_of_its_own() -> None:
+    """Every read and action goes through workflow.Admin: no statement in its sources."""
+    sources = sorted((ROOT / "workflow" / "contrib" / "dashboard").rglob("*.py"))
+    assert sources
+    words = re.compile(r"\b(SELECT|INSERT|UPDATE|DELETE)\s|\.execute\(|psycopg\.connect|cursor\(")
+    offenders = [
+        f"{path.name}:{n}" for path in sources
+        for n, line in enumerate(path.read_text("utf-8").splitlines(), 1) if words.search(line)
+    ]
+    assert not offenders, offenders
