@@ -145,6 +145,12 @@ def test_the_runs_page_lists_counts_and_filters(setup: Any, wsgi_server: Any) ->
     assert page.status == 200
     assert 'id="count-parked"><span class="status parked">parked</span> <b>3</b>' in page.body
     assert page.body.count('class="run"') == 5
+    assert "(succeeded and cancelled: the last 24 hours)" in page.body  # from Admin.stats
+    succeeded = '<span class="status succeeded">succeeded</span> <b>2</b>'
+    assert 'id="count-succeeded">' + succeeded in page.body
+    in_range = client.get("/?since=1h")  # counted over the creation-time range
+    assert 'id="count-parked"><span class="status parked">parked</span> <b>3</b>' in in_range.body
+    assert "the last 24 hours" not in in_range.body
     only = client.get("/?status=parked")
     assert only.body.count('class="run"') == 3 and ok[:8] not in only.body
     by_workflow = client.get("/?workflow=Dash.Refund")

@@ -294,13 +294,31 @@ class Dashboard:
                                    limit=PAGE_SIZE, after=r.query.get("after") or None)
         except ValueError as e:
             raise _HTTPError(400, str(e)) from None
-        counts = {s: self.admin.count(status=s, workflow=workflow, since=since)
-                  for s in _STATUSES}
+        if since is None:
+            counts, day = self._open_counts(workflow), True
+        else:  # bounded by the creation-time range, through workflow_runs_created
+            counts = {s: self.admin.count(status=s, workflow=workflow, since=since)
+                      for s in _STATUSES}
+            day = False
         keep = {"status": status or "", "workflow": workflow or "", "since": since_key}
         return {
             "runs": page.items, "next": page.next, "counts": counts, "filters": keep,
-            "statuses": _STATUSES, "ranges": list(SINCE), "query": _query,
+            "statuses": _STATUSES, "ranges": list(SINCE), "query": _query, "day": day,
         }
+
+    def _open_counts(self, workflow: str | None) -> dict[str, int]:
+        """Per status from `Admin.stats` (index-bounded, whatever the history): every run
+        pending, running or parked, and those succeeded or cancelled in the last day."""
+        counts = dict.fromkeys(_STATUSES, 0)
+        for w in self.admin.stats().workflows:
+            if workflow is not None and w.workflow != workflow:
+                continue
+            counts["pending"] += w.pending
+            counts["running"] += w.running
+            counts["parked"] += w.parked
+            counts["succeeded"] += w.succeeded_last_day
+            counts["cancelled"] += w.cancelled_last_day
+        return counts
 
     def _run(self, run_id: str) -> dict[str, Any]:
         try:
