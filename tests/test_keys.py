@@ -490,3 +490,28 @@ def test_admin_shows_the_keys_digest_and_whether_the_run_holds_it_or_waits(
     gates.release(1)
     assert first.wait(timeout=10) is Status.SUCCEEDED
     assert admin.run(first.id).key_state is None
+
+
+def test_an_idle_poller_with_keyed_workflows_does_not_spin(
+    make_manager: Any, gates: Gates, monkeypatch: Any
+) -> None:
+    """Nothing to claim: the keys' claim is read again after a pause that grows while it
+    finds nothing, not every few milliseconds."""
+    from workflow.store import Store
+
+    calls: list[float] = []
+    claim = Store.claim_key_heads
+
+    def counted(self: Store, *args: Any) -> Any:
+        calls.append(time.monotonic())
+        return claim(self, *args)
+
+    monkeypatch.setattr(Store, "claim_key_heads", counted)
+    mgr = make_manager(keyed(gates))
+    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, poll_interval=60))
+    runnable.start()
+    try:
+        time.sleep(3.0)
+    finally:
+        runnable.stop(timeout=10)
+    assert len(calls) < 30, f"{len(calls)} key claims in 3 s while idle"

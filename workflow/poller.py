@@ -34,9 +34,11 @@ OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
 KEY_WALK_SHARE = 0.1
 """The most of a poller's time its claims of keys' waiting runs may take: each reads
-every key with runs waiting, so after one that took t seconds (and filled less than
-its batch) the next waits t / KEY_WALK_SHARE. A key's next run does not wait for it:
-the worker that frees the key claims it (`claim_key_head`)."""
+up to a window of keys with runs waiting, so after one that took t seconds (and
+filled less than its batch) the next waits t / KEY_WALK_SHARE, doubled after each
+one that found nothing (up to the poll interval; a wake-up from outside resets it).
+A key's next run does not wait for it: the worker that frees the key claims it
+(`claim_key_head`)."""
 
 
 class Poller(Service):
@@ -60,6 +62,7 @@ class Poller(Service):
         self._limits = [limit for _, limit in keyed]
         self._keys_first = False
         self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
+        self._walk_pause = 0.0  # the pause after the last one (it grows while they find none)
         self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
         self._running = 0  # this poller's executions in flight, against `concurrency`
         self._lock = threading.Lock()
@@ -78,6 +81,8 @@ class Poller(Service):
     def wake(self) -> None:
         """Poll at once, and read the next due time again (a run may have been added)."""
         self._due_stale = True
+        self._walk_pause = 0.0  # a key may have freed: the keys' claim is paced afresh
+        self._walk_after = -float("inf")
         super().wake()
 
     def stop(self, timeout: float | None = None) -> None:
@@ -207,7 +212,16 @@ class Poller(Service):
             return []
         heads = self._executor.store.claim_key_heads(self._keyed, self._limits, room)
         cost = time.monotonic() - began
-        self._walk_after = began if len(heads) >= room else began + cost / KEY_WALK_SHARE
+        if len(heads) >= room:  # more may be ready: no pause
+            self._walk_pause = 0.0
+        elif heads:
+            self._walk_pause = cost / KEY_WALK_SHARE
+        else:
+            self._walk_pause = min(
+                max(2 * self._walk_pause, cost / KEY_WALK_SHARE, 0.005),
+                self._settings.poll_interval,
+            )
+        self._walk_after = began + self._walk_pause
         return heads
 
     def _next_of_key(self, run: ClaimedRun) -> ClaimedRun | None:
