@@ -340,24 +340,28 @@ def delayed_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any
                 """,
                 {"n": DELAYED_RUNS},
             )
-            conn.execute(
-                """
-                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
-                                           next_retry_at, created_at)
-                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
-                       now() - interval '1 minute', now() - interval '1 minute'
-                FROM generate_series(1, 20)
-                """
-            )
-            conn.execute(
-                "INSERT INTO workflow_tasks (run_id, seq, name) "
-                "SELECT id, 1, 'task.1' FROM workflow_runs"
-            )
-            conn.execute("ANALYZE workflow_runs")
-            conn.execute("ANALYZE workflow_tasks")
+            _due_now_with_tasks(conn)
             yield conn
     finally:
         drop_database(pg_url, name)
+
+
+def _due_now_with_tasks(conn: psycopg.Connection[Any]) -> None:
+    """Add 20 unkeyed runs due a minute ago, give every run one task, and analyse."""
+    conn.execute(
+        """
+        INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
+                                   next_retry_at, created_at)
+        SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
+               now() - interval '1 minute', now() - interval '1 minute'
+        FROM generate_series(1, 20)
+        """
+    )
+    conn.execute(
+        "INSERT INTO workflow_tasks (run_id, seq, name) SELECT id, 1, 'task.1' FROM workflow_runs"
+    )
+    conn.execute("ANALYZE workflow_runs")
+    conn.execute("ANALYZE workflow_tasks")
 
 
 def _buffers(plan: dict[str, Any]) -> int:
@@ -437,21 +441,7 @@ def keyed_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]
                 FROM generate_series(1, 15) AS i
                 """
             )
-            conn.execute(
-                """
-                INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,
-                                           next_retry_at, created_at)
-                SELECT gen_random_uuid(), 'Transfer.Send', 'pending', '{}'::jsonb, 1, 1,
-                       now() - interval '1 minute', now() - interval '1 minute'
-                FROM generate_series(1, 20)
-                """
-            )
-            conn.execute(
-                "INSERT INTO workflow_tasks (run_id, seq, name) "
-                "SELECT id, 1, 'task.1' FROM workflow_runs"
-            )
-            conn.execute("ANALYZE workflow_runs")
-            conn.execute("ANALYZE workflow_tasks")
+            _due_now_with_tasks(conn)
             yield conn
     finally:
         drop_database(pg_url, name)
