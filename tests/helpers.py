@@ -11,6 +11,7 @@ import signal
 import subprocess
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -258,6 +259,32 @@ def committed_transactions(admin: psycopg.Connection[Any], dbname: str) -> int:
     ).fetchone()
     assert row is not None
     return int(row[0])
+
+
+def insert_claimed_run(
+    db: psycopg.Connection[Any],
+    *,
+    tasks: int = 3,
+    workflow_name: str = "W",
+    key: bytes | None = None,
+    slot: int | None = 0,
+) -> tuple[uuid.UUID, uuid.UUID]:
+    """(run id, claim id) of a run inserted claimed with its task rows, as the fast path
+    inserts one; its heartbeat a minute old (so a transaction's now() moves it). With
+    `key`, a keyed run holding `slot` of it."""
+    run_id, claim_id = uuid.uuid4(), uuid.uuid4()
+    db.execute(
+        "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq, "
+        "claim_id, heartbeat_at, concurrency_key, key_slot) VALUES (%s, %s, 'running', "
+        "'{\"n\": 1}'::jsonb, %s, 1, %s, now() - interval '1 minute', %s, %s)",
+        (run_id, workflow_name, tasks, claim_id, key, slot if key is not None else None),
+    )
+    db.execute(
+        "INSERT INTO workflow_tasks (run_id, seq, name) "
+        "SELECT %s, s, 't' || s FROM generate_series(1, %s) AS s",
+        (run_id, tasks),
+    )
+    return run_id, claim_id
 
 
 # --- a tiny workflow -----------------------------------------------------------------

@@ -144,7 +144,7 @@ def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> 
 # Either partial index of the open, unclaimed runs (same predicate): the planner may
 # pick the one whose order suits it.
 OPEN_RUNS = "an index of the open unclaimed runs"
-OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_due", "workflow_runs_ready")
+OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_ready")
 
 
 def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:

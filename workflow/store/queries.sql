@@ -646,7 +646,7 @@ FROM workflow_events WHERE run_id = %(id)s ORDER BY at, id;
 
 
 -- name: prune_runs
--- Delete up to `limit` runs of `status` finished more than `older_than` seconds ago, oldest first, with their tasks and history (cascade); skips rows others hold.
+-- Delete up to `limit` runs of `status` finished more than `older_than` seconds ago, oldest first, with their tasks (a trigger) and history (cascade); skips rows others hold.
 WITH doomed AS (
     SELECT id FROM workflow_runs
     WHERE status = %(status)s AND finished_at IS NOT NULL

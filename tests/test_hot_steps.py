@@ -1,0 +1,74 @@
+"""A task's step and a heartbeat are heap-only updates (issue 20, migration 0009).
+
+A step rewrites its run's row (current task, heartbeat) and its task's row
+(output). PostgreSQL writes such an update without touching any index (HOT) only
+when no indexed column changes and the new version fits on its page; otherwise
+every index of the table takes a new entry on every step. These tests run the
+store's own statements inside a transaction and read that transaction's own
+counters (`pg_stat_get_xact_tuples_hot_updated`), so the answer does not depend on
+when the statistics are flushed.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import insert_claimed_run
+
+from workflow.store import _Q, CHANNEL
+
+
+def _updates(db: psycopg.Connection[Any], table: str) -> tuple[int, int]:
+    """(updates, of which heap-only) of `table` in the current transaction."""
+    row = db.execute(
+        "SELECT pg_stat_get_xact_tuples_updated(%s::regclass), "
+        "pg_stat_get_xact_tuples_hot_updated(%s::regclass)",
+        (table, table),
+    ).fetchone()
+    assert row is not None
+    return int(row[0]), int(row[1])
+
+
+def _step(run_id: uuid.UUID, claim_id: uuid.UUID, seq: int, finishes: bool) -> dict[str, Any]:
+    return {"id": run_id, "claim_id": claim_id, "seq": seq, "output": '{"ref": "x"}',
+            "next_seq": seq + 1, "finishes": finishes, "wake_key": True, "channel": CHANNEL}
+
+
+@pytest.fixture
+def tx(db_url: str) -> Any:
+    """A connection inside a transaction that is rolled back at the end."""
+    with psycopg.connect(db_url) as conn:
+        yield conn
+        conn.rollback()
+
+
+def test_a_step_that_does_not_finish_the_run_touches_no_index(tx: psycopg.Connection[Any]) -> None:
+    runs = [insert_claimed_run(tx) for _ in range(20)]
+    for run_id, claim_id in runs:
+        assert tx.execute(_Q["complete_task"], _step(run_id, claim_id, 1, False)).fetchall()
+    for run_id, claim_id in runs:
+        assert tx.execute(_Q["complete_task"], _step(run_id, claim_id, 2, False)).fetchall()
+    assert _updates(tx, "workflow_runs") == (40, 40)
+    assert _updates(tx, "workflow_tasks") == (40, 40)
+
+
+def test_a_heartbeat_touches_no_index(tx: psycopg.Connection[Any]) -> None:
+    # Few enough rows that every version made in one transaction fits on their page.
+    runs = [insert_claimed_run(tx) for _ in range(5)]
+    claims = [claim_id for _, claim_id in runs]
+    for _ in range(3):
+        assert len(tx.execute(_Q["heartbeat"], {"claims": claims}).fetchall()) == 5
+    assert _updates(tx, "workflow_runs") == (15, 15)
+
+
+def test_deleting_runs_deletes_their_tasks(tx: psycopg.Connection[Any]) -> None:
+    """The tasks have no foreign key to their run since 0009 (checking it cost every
+    start a lookup and a lock per task); a trigger deletes them with their runs."""
+    kept, _ = insert_claimed_run(tx)
+    gone = [insert_claimed_run(tx)[0] for _ in range(3)]
+    tx.execute("DELETE FROM workflow_runs WHERE id = ANY(%s)", (gone,))
+    rows = tx.execute("SELECT DISTINCT run_id FROM workflow_tasks").fetchall()
+    assert rows == [(kept,)]

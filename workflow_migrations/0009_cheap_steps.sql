@@ -1,0 +1,50 @@
+-- Cheap task steps (issue 20). A task's step rewrites its run's row (current_seq,
+-- heartbeat_at) and its task's row (output, finished_at). PostgreSQL can write such
+-- an update as a heap-only tuple (HOT: no new entry in any index, and page pruning
+-- reclaims the old version without a vacuum) only when no indexed column changes and
+-- the new version fits on the same page. Before this migration every step changed
+-- `heartbeat_at`, the key of workflow_runs_claimed, so each one added an entry to
+-- every index of workflow_runs; the same went for each heartbeat.
+--
+-- 1. workflow_runs_claimed holds the claimed runs by claim id instead of by heartbeat.
+--    A step keeps its claim id, so its update is HOT; the heartbeat and a claim's
+--    recovery after a lost reply now look their runs up by claim id; the sweeper
+--    reads every claimed run (bounded by the executors' concurrency, never by
+--    history) and picks the stale ones by heartbeat.
+-- 2. Free room on every page for the next versions of its rows (fillfactor): new
+--    pages only; existing ones are filled as they were until rewritten.
+-- 3. workflow_tasks no longer has a foreign key to workflow_runs: checking it cost a
+--    lookup and a row lock of the run for every task row inserted, on every start.
+--    Task rows are only ever inserted in the statement that inserts their run. A
+--    deletion of runs (a prune, or a person's DELETE) still deletes their tasks, by a
+--    trigger that runs once per statement and costs a start nothing.
+-- 4. workflow_runs_due, the claim index of 0006, is dropped: the claims of 0008 and
+--    later read workflow_runs_ready instead, and it cost an entry at every insert of a
+--    polled run and at every release. Code older than 0008 still works on this
+--    schema, its claims through another index.
+--
+-- The index is built inside the migration's transaction, which blocks writes to
+-- workflow_runs while it builds (it holds only the claimed runs: quick). The drops
+-- take a brief exclusive lock each.
+
+DROP INDEX IF EXISTS workflow_runs_claimed;
+CREATE INDEX workflow_runs_claimed ON workflow_runs (claim_id) WHERE claim_id IS NOT NULL;
+
+ALTER TABLE workflow_runs SET (fillfactor = 70);
+ALTER TABLE workflow_tasks SET (fillfactor = 70);
+
+DROP INDEX IF EXISTS workflow_runs_due;
+
+ALTER TABLE workflow_tasks DROP CONSTRAINT IF EXISTS workflow_tasks_run_id_fkey;
+
+CREATE OR REPLACE FUNCTION workflow_runs_deleted() RETURNS trigger
+LANGUAGE plpgsql AS $$
+BEGIN
+    DELETE FROM workflow_tasks t USING gone WHERE t.run_id = gone.id;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER workflow_runs_deleted AFTER DELETE ON workflow_runs
+    REFERENCING OLD TABLE AS gone
+    FOR EACH STATEMENT EXECUTE FUNCTION workflow_runs_deleted();
