@@ -214,7 +214,11 @@ def test_start_with_the_pool_full_is_picked_up_by_a_poller(
 def test_a_three_task_fast_path_run_costs_four_transactions(
     db_url: str, pg_url: str, h: Handlers
 ) -> None:
-    """Counted with `pg_stat_database.xact_commit` of the test's private database.
+    """What a run costs alone: nothing else is in flight, so each of its task steps is
+    written at once by itself (under load, steps of several runs share a commit: see
+    test_group_commit.py, where six steps of six runs cost two).
+
+    Counted with `pg_stat_database.xact_commit` of the test's private database.
 
     The counter is fed asynchronously: each backend accumulates its counts and
     flushes them at most once a second when idle. PostgreSQL 15's

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from helpers import insert_claimed_run
 
-from workflow.store import _Q, CHANNEL
+from workflow.store import _Q, CHANNEL, combined_params
 
 
 def _updates(db: psycopg.Connection[Any], table: str) -> tuple[int, int]:
@@ -62,6 +62,15 @@ def test_a_heartbeat_touches_no_index(tx: psycopg.Connection[Any]) -> None:
     for _ in range(3):
         assert len(tx.execute(_Q["heartbeat"], {"claims": claims}).fetchall()) == 5
     assert _updates(tx, "workflow_runs") == (15, 15)
+
+
+def test_a_combined_step_touches_no_index(tx: psycopg.Connection[Any]) -> None:
+    runs = [insert_claimed_run(tx) for _ in range(20)]
+    steps = [_step(run_id, claim_id, 1, False) for run_id, claim_id in runs]
+    rows = tx.execute(_Q["complete_tasks"], combined_params(steps)).fetchall()
+    assert len(rows) == 20
+    assert _updates(tx, "workflow_runs") == (20, 20)
+    assert _updates(tx, "workflow_tasks") == (20, 20)
 
 
 def test_deleting_runs_deletes_their_tasks(tx: psycopg.Connection[Any]) -> None:

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from conftest import create_database, drop_database, with_dbname
 
-from workflow.store import _Q
+from workflow.store import _Q, combined_params
 
 FINISHED_RUNS = 20_000
 TASKS_PER_RUN = 3
@@ -193,6 +193,19 @@ def test_sweep_uses_the_claimed_index(plan_db: psycopg.Connection[Any]) -> None:
     plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100, "channel": "workflow_runs"})
     scans = _scans(plan)
     assert _uses_index(scans, "workflow_runs_claimed"), scans
+    _assert_no_seq_scan(scans)
+
+
+def test_a_combined_step_finds_its_runs_by_id_or_claim(plan_db: psycopg.Connection[Any]) -> None:
+    """Group commit: the runs of one combined write are looked up by id or by claim (the
+    claimed index holds only the runs claimed now), whatever the history."""
+    steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
+              "next_seq": 2, "finishes": False, "wake_key": True, "channel": "workflow_runs"}
+             for _ in range(8)]
+    scans = _scans(_plan(plan_db, "complete_tasks", combined_params(steps)))
+    assert (_uses_index(scans, "workflow_runs_pkey")
+            or _uses_index(scans, "workflow_runs_claimed")), scans
+    assert _uses_index(scans, "workflow_tasks_pkey"), scans
     _assert_no_seq_scan(scans)
 
 

@@ -29,6 +29,7 @@ from psycopg_pool import ConnectionPool
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
 from workflow.store.connections import Connections, Rows
+from workflow.store.group_commit import GroupCommit, combined_params
 from workflow.store.migrate import (
     SCHEMA_VERSION,
     SchemaOutdated,
@@ -73,6 +74,7 @@ __all__ = [
     "WorkflowStats",
     "bool_array",
     "check_schema",
+    "combined_params",
     "current_database",
     "in_transaction",
     "migrate",
@@ -218,6 +220,9 @@ class Store:
             clock=clock,
         )
         self._run = self.connections.run
+        self.steps = GroupCommit(self._complete_alone, self._complete_together,
+                                 EngineLog(logger or logging.getLogger("workflow")))
+        """How task steps are written: alone, or together with other runs' (group commit)."""
 
     def close(self, *, forked: bool = False) -> None:
         """Give the warm connections back (`forked`: forget them, they are the parent's)."""
@@ -440,9 +445,11 @@ class Store:
     ) -> bool:
         """Record `seq`'s output and move the run to `next_seq`, or finish it; False when
         the claim was lost. A keyed run that finishes wakes the pollers when runs of its
-        key wait, unless `wake_key` is false (the caller claims the key's next run)."""
-        rows = self._run(
-            "complete_task",
+        key wait, unless `wake_key` is false (the caller claims the key's next run).
+
+        Steps that other threads record at the same moment share one statement and
+        one commit (`GroupCommit`); this one returns once it has committed."""
+        return self.steps.write(
             {
                 "id": run_id,
                 "claim_id": claim_id,
@@ -452,10 +459,22 @@ class Store:
                 "finishes": finishes,
                 "wake_key": wake_key,
                 "channel": CHANNEL,
-            },
+            }
+        )
+
+    def _complete_alone(self, params: dict[str, Any], may_have_landed: bool) -> bool:
+        rows = self._run(
+            "complete_task",
+            params,
             "released",  # a retry whose earlier try let go of the claim finds it here
+            may_have_landed=may_have_landed,
         )
         return bool(rows)
+
+    def _complete_together(self, params: dict[str, Any]) -> set[uuid.UUID]:
+        # One try only: on any failure GroupCommit writes the steps alone, each
+        # looking first for what this try may have done.
+        return {row[0] for row in self.connections.once("complete_tasks", params)}
 
     def fail_task(
         self,
@@ -706,7 +725,9 @@ class Store:
         reason: str | None,
         extra: dict[str, Any],
     ) -> list[uuid.UUID]:
-        ids = list(dict.fromkeys(run_ids))
+        # In id order, as group commit writes steps: two statements that lock the same
+        # runs in the same order cannot deadlock.
+        ids = sorted(set(run_ids))
         params = {
             "ids": ids,
             "event_ids": [uuid.uuid4() for _ in ids],

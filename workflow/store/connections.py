@@ -240,7 +240,14 @@ class Connections:
         finally:
             self.pool.putconn(conn)
 
-    def run(self, name: str, params: dict[str, Any], recover: str | None = None) -> Rows:
+    def run(
+        self,
+        name: str,
+        params: dict[str, Any],
+        recover: str | None = None,
+        *,
+        may_have_landed: bool = False,
+    ) -> Rows:
         """Run statement `name` (of `queries`, else `name` is the SQL itself) in its own
         transaction, riding out lost connections.
 
@@ -251,6 +258,9 @@ class Connections:
         the same parameters), a statement that finds what an earlier try did, and
         returns its rows when it finds anything; only otherwise is `name` run again.
         Without `recover`, the statement must be safe to repeat as it is.
+        `may_have_landed`: an earlier try by other means (a combined statement
+        whose reply was lost) may have committed, so `recover` runs first from the
+        start.
 
         Raises `WorkflowError` when the pool is closed, and the database's error
         for anything else.
@@ -261,7 +271,7 @@ class Connections:
         failures = 0
         while True:
             try:
-                if failures and recover is not None:
+                if (failures or may_have_landed) and recover is not None:
                     found = self._once(queries.get(recover, recover), params)
                     if found:
                         return found
@@ -286,6 +296,13 @@ class Connections:
             f"workflow: the connection pool is closed ({e}); a closed Manager or pool "
             "cannot be used again: build a new one"
         )
+
+    def once(self, name: str, params: dict[str, Any]) -> Rows:
+        """Run statement `name` once in its own transaction: no retry, whatever fails."""
+        try:
+            return self._once(self._queries.get(name, name), params)
+        except PoolClosed as e:
+            raise self._closed_error(e) from e
 
     def _once(self, sql: str, params: dict[str, Any]) -> Rows:
         """Run one statement in its own transaction, on a warm or pooled connection."""

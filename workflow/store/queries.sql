@@ -372,6 +372,39 @@ WHERE t.run_id = run.id AND t.seq = %(seq)s
 RETURNING t.seq, run.woke;
 
 
+-- name: complete_tasks
+-- complete_task for several runs in one statement and one commit (group commit), each step fenced by its own
+-- claim as complete_task's is: the runs whose claim matched come back, and no other. The caller passes the
+-- steps in id order, so the rows are locked in that order.
+WITH step AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
+                         %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
+        AS s (id, claim_id, seq, output, next_seq, finishes, wake_key)
+), run AS (
+    UPDATE workflow_runs r
+    SET current_seq = s.next_seq,
+        status = CASE WHEN s.finishes THEN 'succeeded' ELSE r.status END,
+        finished_at = CASE WHEN s.finishes THEN now() END,
+        claim_id = CASE WHEN s.finishes THEN NULL ELSE r.claim_id END,
+        heartbeat_at = CASE WHEN s.finishes THEN NULL ELSE now() END,
+        released_claim = CASE WHEN s.finishes THEN r.claim_id END,
+        key_slot = CASE WHEN s.finishes THEN NULL ELSE r.key_slot END
+    FROM step s
+    WHERE r.id = s.id AND r.claim_id = s.claim_id
+    RETURNING r.id, s.seq, s.output,
+              CASE WHEN s.finishes AND s.wake_key AND r.concurrency_key IS NOT NULL
+                        AND EXISTS (SELECT FROM workflow_runs w
+                                    WHERE w.workflow = r.workflow
+                                      AND w.concurrency_key = r.concurrency_key
+                                      AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                   THEN pg_notify(%(channel)s, r.workflow) END AS woke
+)
+UPDATE workflow_tasks t
+SET output = run.output::jsonb, finished_at = now()
+FROM run
+WHERE t.run_id = run.id AND t.seq = run.seq
+RETURNING t.run_id, run.woke;
+
 -- name: fail_task
 -- Record a failed attempt, and its history row: retry after `delay` seconds, under the claim or released for a poller (fenced).
 -- The attempt count is absolute (the executor knows it under its claim), so a retry cannot count twice; the history row
@@ -452,10 +485,19 @@ SELECT id FROM workflow_runs WHERE id = %(id)s AND claim_id IS NULL AND released
 
 
 -- name: heartbeat
--- Keep the given claims alive; returns the claims still held (a missing one was lost).
-UPDATE workflow_runs SET heartbeat_at = now()
-WHERE claim_id = ANY(%(claims)s::uuid[])
-RETURNING claim_id;
+-- Keep the given claims alive; returns the claims still held (a missing one was lost). A run whose row
+-- another transaction is writing is skipped, not waited for: that is mostly a step of its own executor,
+-- which moves the heartbeat itself, and waiting could deadlock with a group commit (complete_tasks)
+-- holding the rows of several runs.
+WITH held AS (
+    SELECT id, claim_id FROM workflow_runs WHERE claim_id = ANY(%(claims)s::uuid[])
+), beat AS (
+    SELECT id FROM workflow_runs WHERE claim_id = ANY(%(claims)s::uuid[])
+    FOR NO KEY UPDATE SKIP LOCKED
+), moved AS (
+    UPDATE workflow_runs r SET heartbeat_at = now() FROM beat WHERE r.id = beat.id
+)
+SELECT claim_id FROM held;
 
 
 -- name: sweep
