@@ -1,4 +1,5 @@
-"""Group commit (issue 20): task steps recorded at the same moment share one statement.
+"""Group commit (issue 20): task steps recorded, and runs started, at the same moment
+share one statement.
 
 Combining is forced, not hoped for: a first step is held in flight by a row lock
 that another transaction holds on its run, the other steps are written meanwhile
@@ -8,7 +9,8 @@ still learn exactly whether its own fenced write matched; a combined statement
 that fails must fall back to single writes, so one bad row fails only its own
 run; a keyed run finishing inside a combined statement must wake the pollers; and
 a combined write whose reply is lost after the commit must not be taken for a
-lost claim.
+lost claim. The fast path's starts (no transaction, idempotency key or concurrency
+key of the caller's) combine the same way; a table lock holds the first in flight.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from psycopg_pool import ConnectionPool
 from replyproxy import ReplyProxy
 
 from workflow.store import CHANNEL, Store
+from workflow.store.group_commit import GroupCommit
 
 OUTPUT = '{"ref": "x"}'
 
@@ -57,20 +60,28 @@ class Step:
 
 def write_combined(store: Store, db_url: str, first: Step, queued: list[Step]) -> None:
     """Write `first`, held in flight by a row lock, then `queued` behind it; let go."""
+    lock = ("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (first.run_id,))
+    _held_then_queued(store, store.steps, db_url, lock, first, queued)
+
+
+def _held_then_queued(store: Store, group: GroupCommit[Any], db_url: str,
+                      lock: tuple[str, tuple[Any, ...]], first: Any, queued: list[Any]) -> None:
+    """`first.write(store)` held in flight by `lock` (taken by another transaction), the
+    `queued` writes made meanwhile, then the lock let go and every write awaited."""
     threads: list[threading.Thread] = []
 
-    def start(step: Step) -> None:
-        thread = threading.Thread(target=step.write, args=(store,))
+    def start(write: Any) -> None:
+        thread = threading.Thread(target=write.write, args=(store,))
         thread.start()
         threads.append(thread)
 
     with psycopg.connect(db_url) as blocker:
-        blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (first.run_id,))
+        blocker.execute(*lock)
         start(first)
-        wait_until(lambda: store.steps.busy, "the first step in flight")
-        for step in queued:
-            start(step)
-        wait_until(lambda: store.steps.queued == len(queued), "the other steps queued")
+        wait_until(lambda: group.busy, "the first write in flight")
+        for write in queued:
+            start(write)
+        wait_until(lambda: group.queued == len(queued), "the other writes queued")
         blocker.rollback()
     for thread in threads:
         thread.join(timeout=30)
@@ -89,11 +100,15 @@ def run_row(db: psycopg.Connection[Any], run_id: uuid.UUID) -> tuple[Any, ...]:
     return tuple(row)
 
 
-def xids(db: psycopg.Connection[Any]) -> int:
-    """The next transaction id the server will assign (write transactions so far)."""
-    row = db.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
-    assert row is not None
-    return int(row[0])
+def writers(db: psycopg.Connection[Any], run_ids: list[uuid.UUID]) -> set[str]:
+    """The transactions that last wrote these runs' rows and their task rows (xmin): one
+    commit shared by several runs shows as one id."""
+    rows = db.execute(
+        "SELECT xmin::text FROM workflow_runs WHERE id = ANY(%s) "
+        "UNION SELECT xmin::text FROM workflow_tasks WHERE run_id = ANY(%s) AND output IS NOT NULL",
+        (run_ids, run_ids),
+    ).fetchall()
+    return {row[0] for row in rows}
 
 
 def test_queued_steps_share_one_statement_and_each_learns_its_own_fence(
@@ -104,11 +119,12 @@ def test_queued_steps_share_one_statement_and_each_learns_its_own_fence(
     first = Step(*runs[0])
     queued = [Step(*run, finishes=(i % 2 == 0)) for i, run in enumerate(runs[1:5])]
     stale = Step(runs[5][0], uuid.uuid4())  # another executor's claim now holds this run
-    before = xids(db)
     write_combined(store, db_url, first, [*queued, stale])
-    # The blocker's lock took an id; then the first step alone and the five together.
-    assert xids(db) - before == 3
-    assert store.steps.combined_steps == 5
+    # The first step alone, then the five together: one commit for the four that matched.
+    assert (store.steps.flushes, store.steps.combined) == (2, 5)
+    together = writers(db, [s.run_id for s in queued])
+    assert len(together) == 1
+    assert together.isdisjoint(writers(db, [first.run_id]))
     assert [s.error for s in (first, *queued, stale)] == [None] * 6
     assert first.matched is True
     assert [s.matched for s in queued] == [True] * 4
@@ -122,12 +138,27 @@ def test_queued_steps_share_one_statement_and_each_learns_its_own_fence(
     assert run_row(db, runs[5][0]) == (1, "running", True, [None, None, None])
 
 
+def test_a_stale_claims_step_sharing_a_batch_with_the_live_claims_step_of_its_run_is_refused(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A handler past its timeout was swept and its run claimed again by this process:
+    the old execution's step and the new one's can meet in one combined write. Only the
+    live claim's step lands, and only its caller is told so."""
+    runs = [insert_claimed_run(db) for _ in range(2)]
+    run_id, live = runs[1]
+    stale = Step(run_id, uuid.uuid4(), seq=1, output='"stale"')
+    current = Step(run_id, live, seq=1)
+    write_combined(store, db_url, Step(*runs[0]), [stale, current])
+    assert store.steps.combined == 2
+    assert (current.matched, stale.matched) == (True, False)
+    assert run_row(db, run_id) == (2, "running", True, [OUTPUT, None, None])
+
+
 def test_a_lone_step_is_written_alone_at_once(store: Store, db: psycopg.Connection[Any]) -> None:
     run_id, claim_id = insert_claimed_run(db)
-    before = xids(db)
     assert store.complete_task(run_id, claim_id, 1, OUTPUT, 2, False) is True
-    assert xids(db) - before == 1
-    assert (store.steps.flushes, store.steps.combined_steps) == (1, 0)
+    assert (store.steps.flushes, store.steps.combined) == (1, 0)
+    assert len(writers(db, [run_id])) == 1
 
 
 def test_outputs_of_none_only_combine(
@@ -138,7 +169,7 @@ def test_outputs_of_none_only_combine(
     steps = [Step(*run, output=None) for run in runs]
     write_combined(store, db_url, steps[0], steps[1:])
     assert [s.matched for s in steps] == [True] * 4
-    assert store.steps.combined_steps == 3
+    assert store.steps.combined == 3
 
 
 def test_a_row_the_server_refuses_fails_only_its_own_run(
@@ -152,8 +183,8 @@ def test_a_row_the_server_refuses_fails_only_its_own_run(
     assert isinstance(bad.error, psycopg.errors.InvalidTextRepresentation)
     assert [s.matched for s in (first, *queued) if s is not bad] == [True] * 4
     assert [s.error for s in (first, *queued) if s is not bad] == [None] * 4
-    assert store.steps.combined_steps == 0, "the combined statement failed as a whole"
-    logs[1].wait_for("writing them one by one")
+    assert store.steps.combined == 0, "the combined statement failed as a whole"
+    logs[1].wait_for("a combined write of 4 task steps failed")
     assert run_row(db, runs[2][0]) == (1, "running", True, [None, None, None])
     assert run_row(db, runs[3][0]) == (4, "succeeded", False, [OUTPUT, None, None])
     assert run_row(db, runs[4][0]) == (2, "running", True, [OUTPUT, None, None])
@@ -175,7 +206,7 @@ def test_a_keyed_run_finishing_in_a_combined_write_wakes_the_pollers(
         finishing = Step(*keyed, seq=3, finishes=True)
         write_combined(store, db_url, Step(*runs[0]), [Step(*runs[1]), finishing, Step(*runs[2])])
         assert finishing.matched is True
-        assert store.steps.combined_steps == 3
+        assert store.steps.combined == 3
         notes = [n.payload for n in listener.notifies(timeout=10, stop_after=1)]
     assert notes == ["Keyed"]
     row = db.execute("SELECT key_slot, status FROM workflow_runs WHERE id = %s",
@@ -221,3 +252,116 @@ def test_a_combined_write_whose_reply_is_lost_is_not_taken_for_lost_claims(
     for i, (run_id, _) in enumerate(runs[1:]):
         expected = (4, "succeeded", False) if i % 2 == 0 else (2, "running", True)
         assert run_row(db, run_id)[:3] == expected
+
+
+# --- starts --------------------------------------------------------------------------
+
+
+class Start:
+    """One fast-path start as the starter makes it, and what `insert_run` answered."""
+
+    def __init__(self, *, claimed: bool = True, input: str = '{"n": 1}',
+                 idempotency_key: str | None = None) -> None:
+        self.run_id = uuid.uuid4()
+        self.claim_id = uuid.uuid4() if claimed else None
+        self.input, self.idempotency_key = input, idempotency_key
+        self.answer: tuple[uuid.UUID, bool] | None = None
+        self.error: BaseException | None = None
+
+    def write(self, store: Store) -> None:
+        try:
+            self.answer = store.insert_run(
+                None, run_id=self.run_id, workflow="W", status="running" if self.claim_id
+                else "pending", idempotency_key=self.idempotency_key, input=self.input,
+                input_sealed=None, context=None, context_sealed=None, task_count=3,
+                current_seq=1, claim_id=self.claim_id, names="{a,b,c}", skipped="{f,t,f}",
+                wake=self.claim_id is None,
+            )
+        except BaseException as e:
+            self.error = e
+
+
+TABLE_LOCK = ("LOCK TABLE workflow_runs IN SHARE MODE", ())
+
+
+def start_combined(store: Store, db_url: str, first: Start, queued: list[Start]) -> None:
+    """Start `first`, held in flight by a table lock, then `queued` behind it; let go."""
+    _held_then_queued(store, store.starts, db_url, TABLE_LOCK, first, queued)
+
+
+def task_rows(db: psycopg.Connection[Any], run_id: uuid.UUID) -> list[tuple[Any, ...]]:
+    return db.execute(
+        "SELECT seq, name, skipped, finished_at IS NOT NULL FROM workflow_tasks "
+        "WHERE run_id = %s ORDER BY seq", (run_id,),
+    ).fetchall()
+
+
+def test_queued_starts_share_one_insert_and_each_gets_its_own_run(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    first = Start()
+    queued = [Start(), Start(claimed=False), Start(), Start(claimed=False)]
+    with psycopg.connect(db_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {CHANNEL}")
+        start_combined(store, db_url, first, queued)
+        notes = [n.payload for n in listener.notifies(timeout=10, stop_after=2)]
+    assert notes == ["W"], "the starts left for a poller wake the pollers (one notice a commit)"
+    assert [s.error for s in (first, *queued)] == [None] * 5
+    assert [s.answer for s in (first, *queued)] == [
+        (s.run_id, s.claim_id is not None) for s in (first, *queued)
+    ]
+    assert (store.starts.flushes, store.starts.combined) == (2, 4)
+    rows = db.execute(
+        "SELECT id, status, claim_id, heartbeat_at IS NOT NULL, input FROM workflow_runs "
+        "ORDER BY created_at"
+    ).fetchall()
+    assert [row[0] for row in rows] == [s.run_id for s in (first, *queued)], "in start order"
+    for row, s in zip(rows, (first, *queued), strict=True):
+        assert row[1:] == ("running" if s.claim_id else "pending", s.claim_id,
+                           s.claim_id is not None, {"n": 1})
+        assert task_rows(db, s.run_id) == [(1, "a", False, False), (2, "b", True, True),
+                                           (3, "c", False, False)]
+
+
+def test_a_start_the_server_refuses_fails_only_its_own(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    bad = Start(input="{not json")
+    queued = [Start(), bad, Start(claimed=False)]
+    start_combined(store, db_url, Start(), queued)
+    assert isinstance(bad.error, psycopg.errors.InvalidTextRepresentation)
+    assert store.starts.combined == 0
+    assert [s.answer is not None for s in queued] == [True, False, True]
+    row = db.execute("SELECT count(*), count(*) FILTER (WHERE id = %s) FROM workflow_runs",
+                     (bad.run_id,)).fetchone()
+    assert row == (3, 0)
+
+
+def test_starts_with_an_idempotency_key_are_never_combined(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Their insert waits for a key another transaction holds, bounded per statement."""
+    keyed = Start(idempotency_key="k1")
+    keyed.write(store)
+    assert keyed.error is None and keyed.answer == (keyed.run_id, True)
+    assert store.starts.flushes == 0
+
+
+COMBINED_START = "WITH ORDINALITY AS g (id, workflow"
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_a_combined_start_whose_reply_is_lost_recognises_its_runs(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+) -> None:
+    store, proxy = proxied_store
+    first, queued = Start(), [Start(), Start(claimed=False), Start()]
+    proxy.drop_reply(COMBINED_START)
+    start_combined(store, db_url, first, queued)
+    assert proxy.dropped == 1
+    assert [s.error for s in (first, *queued)] == [None] * 4
+    assert [s.answer for s in (first, *queued)] == [
+        (s.run_id, s.claim_id is not None) for s in (first, *queued)
+    ]
+    row = db.execute("SELECT count(*), count(DISTINCT id) FROM workflow_runs").fetchone()
+    assert row == (4, 4), "each run inserted once"

@@ -18,7 +18,7 @@ import psycopg
 import pytest
 from helpers import insert_claimed_run
 
-from workflow.store import _Q, CHANNEL, combined_params
+from workflow.store import _Q, CHANNEL, step_arrays
 
 
 def _updates(db: psycopg.Connection[Any], table: str) -> tuple[int, int]:
@@ -67,7 +67,7 @@ def test_a_heartbeat_touches_no_index(tx: psycopg.Connection[Any]) -> None:
 def test_a_combined_step_touches_no_index(tx: psycopg.Connection[Any]) -> None:
     runs = [insert_claimed_run(tx) for _ in range(20)]
     steps = [_step(run_id, claim_id, 1, False) for run_id, claim_id in runs]
-    rows = tx.execute(_Q["complete_tasks"], combined_params(steps)).fetchall()
+    rows = tx.execute(_Q["complete_tasks"], step_arrays(steps)).fetchall()
     assert len(rows) == 20
     assert _updates(tx, "workflow_runs") == (20, 20)
     assert _updates(tx, "workflow_tasks") == (20, 20)
@@ -81,3 +81,20 @@ def test_deleting_runs_deletes_their_tasks(tx: psycopg.Connection[Any]) -> None:
     tx.execute("DELETE FROM workflow_runs WHERE id = ANY(%s)", (gone,))
     rows = tx.execute("SELECT DISTINCT run_id FROM workflow_tasks").fetchall()
     assert rows == [(kept,)]
+
+
+def test_a_truncate_of_the_runs_truncates_their_tasks(tx: psycopg.Connection[Any]) -> None:
+    insert_claimed_run(tx)
+    tx.execute("TRUNCATE workflow_runs CASCADE")  # the history refers to the runs
+    assert tx.execute("SELECT count(*) FROM workflow_tasks").fetchone() == (0,)
+
+
+def test_the_deletion_trigger_finds_the_tasks_whatever_the_search_path(
+    tx: psycopg.Connection[Any],
+) -> None:
+    gone, _ = insert_claimed_run(tx)
+    tx.execute("CREATE SCHEMA elsewhere")
+    tx.execute("CREATE TABLE elsewhere.workflow_tasks (run_id uuid)")
+    tx.execute("SET LOCAL search_path = elsewhere, public")
+    tx.execute("DELETE FROM public.workflow_runs WHERE id = %s", (gone,))
+    assert tx.execute("SELECT count(*) FROM public.workflow_tasks").fetchone() == (0,)

@@ -3,7 +3,7 @@
 A table full of finished runs (plus a handful of claimable and claimed ones) is
 analysed, then the store's own statements are EXPLAINed with real parameters. The
 claim query must go through the partial index `workflow_runs_ready`, the sweep
-through `workflow_runs_claimed`, and neither (nor the claim by id) may scan
+through `workflow_runs_claims`, and neither (nor the claim by id) may scan
 `workflow_runs` or `workflow_tasks` sequentially: their cost must not grow with the
 number of finished runs. A later change to the queries or the indexes that loses
 this fails here instead of slowing production down.
@@ -21,7 +21,7 @@ import psycopg
 import pytest
 from conftest import create_database, drop_database, with_dbname
 
-from workflow.store import _Q, combined_params
+from workflow.store import _Q, step_arrays
 
 FINISHED_RUNS = 20_000
 TASKS_PER_RUN = 3
@@ -192,7 +192,7 @@ def test_claim_run_by_id_is_an_index_lookup(plan_db: psycopg.Connection[Any]) ->
 def test_sweep_uses_the_claimed_index(plan_db: psycopg.Connection[Any]) -> None:
     plan = _plan(plan_db, "sweep", {"max_age": 30.0, "limit": 100, "channel": "workflow_runs"})
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_claims"), scans
     _assert_no_seq_scan(scans)
 
 
@@ -202,9 +202,9 @@ def test_a_combined_step_finds_its_runs_by_id_or_claim(plan_db: psycopg.Connecti
     steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
               "next_seq": 2, "finishes": False, "wake_key": True, "channel": "workflow_runs"}
              for _ in range(8)]
-    scans = _scans(_plan(plan_db, "complete_tasks", combined_params(steps)))
+    scans = _scans(_plan(plan_db, "complete_tasks", step_arrays(steps)))
     assert (_uses_index(scans, "workflow_runs_pkey")
-            or _uses_index(scans, "workflow_runs_claimed")), scans
+            or _uses_index(scans, "workflow_runs_claims")), scans
     assert _uses_index(scans, "workflow_tasks_pkey"), scans
     _assert_no_seq_scan(scans)
 
@@ -216,7 +216,7 @@ def test_finding_runs_by_claim_reads_only_the_claimed_runs(
     """The heartbeat, and a claim's retry after a lost reply, look runs up by claim id."""
     plan = _plan(plan_db, statement, {"claims": _claims(10)})
     scans = _scans(plan)
-    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_claims"), scans
     _assert_no_seq_scan(scans)
 
 
@@ -255,7 +255,7 @@ def test_queue_stats_read_only_unfinished_parked_and_recent_runs(
 ) -> None:
     scans = _scans(_plan(plan_db, "queue_stats", {"stale_after": 600.0}))
     assert _uses_index(scans, OPEN_RUNS), scans
-    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_claims"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
 
@@ -266,7 +266,7 @@ def test_the_metrics_gauges_read_only_open_and_parked_runs(
     """SPEC 13: the scrape's one query reads the partial indexes, never the history."""
     scans = _scans(_plan(plan_db, "queue_gauges", {"stale_after": 600.0}))
     assert _uses_index(scans, OPEN_RUNS), scans
-    assert _uses_index(scans, "workflow_runs_claimed"), scans
+    assert _uses_index(scans, "workflow_runs_claims"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
 

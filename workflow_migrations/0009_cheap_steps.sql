@@ -6,45 +6,61 @@
 -- `heartbeat_at`, the key of workflow_runs_claimed, so each one added an entry to
 -- every index of workflow_runs; the same went for each heartbeat.
 --
--- 1. workflow_runs_claimed holds the claimed runs by claim id instead of by heartbeat.
---    A step keeps its claim id, so its update is HOT; the heartbeat and a claim's
---    recovery after a lost reply now look their runs up by claim id; the sweeper
---    reads every claimed run (bounded by the executors' concurrency, never by
---    history) and picks the stale ones by heartbeat.
+-- 1. workflow_runs_claims holds the claimed runs by claim id, and replaces
+--    workflow_runs_claimed (by heartbeat). A step keeps its claim id, so its update is
+--    HOT; the heartbeat and a claim's recovery after a lost reply look their runs up
+--    by claim id; the sweeper reads every claimed run (bounded by the executors'
+--    concurrency, never by history) and picks the stale ones by heartbeat.
 -- 2. Free room on every page for the next versions of its rows (fillfactor): new
 --    pages only; existing ones are filled as they were until rewritten.
 -- 3. workflow_tasks no longer has a foreign key to workflow_runs: checking it cost a
 --    lookup and a row lock of the run for every task row inserted, on every start.
 --    Task rows are only ever inserted in the statement that inserts their run. A
 --    deletion of runs (a prune, or a person's DELETE) still deletes their tasks, by a
---    trigger that runs once per statement and costs a start nothing.
+--    trigger that runs once per statement and costs a start nothing; a TRUNCATE of
+--    the runs truncates the tasks too.
 -- 4. workflow_runs_due, the claim index of 0006, is dropped: the claims of 0008 and
 --    later read workflow_runs_ready instead, and it cost an entry at every insert of a
 --    polled run and at every release. Code older than 0008 still works on this
 --    schema, its claims through another index.
 --
--- The index is built inside the migration's transaction, which blocks writes to
--- workflow_runs while it builds (it holds only the claimed runs: quick). The drops
--- take a brief exclusive lock each.
+-- The new index is built first, inside the migration's transaction, which blocks
+-- writes to workflow_runs while it builds (reads go on). On a large table create it
+-- beforehand without blocking, under the same name and definition (CREATE INDEX
+-- CONCURRENTLY ...): IF NOT EXISTS then keeps it. The drops that follow take an
+-- exclusive lock on the tables until the migration commits, which is then at once.
 
-DROP INDEX IF EXISTS workflow_runs_claimed;
-CREATE INDEX workflow_runs_claimed ON workflow_runs (claim_id) WHERE claim_id IS NOT NULL;
+CREATE INDEX IF NOT EXISTS workflow_runs_claims
+    ON workflow_runs (claim_id) WHERE claim_id IS NOT NULL;
 
 ALTER TABLE workflow_runs SET (fillfactor = 70);
 ALTER TABLE workflow_tasks SET (fillfactor = 70);
 
-DROP INDEX IF EXISTS workflow_runs_due;
-
-ALTER TABLE workflow_tasks DROP CONSTRAINT IF EXISTS workflow_tasks_run_id_fkey;
-
 CREATE OR REPLACE FUNCTION workflow_runs_deleted() RETURNS trigger
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
     DELETE FROM workflow_tasks t USING gone WHERE t.run_id = gone.id;
     RETURN NULL;
 END
 $$;
 
+CREATE OR REPLACE FUNCTION workflow_runs_truncated() RETURNS trigger
+LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
+BEGIN
+    TRUNCATE workflow_tasks;
+    RETURN NULL;
+END
+$$;
+
+DROP TRIGGER IF EXISTS workflow_runs_deleted ON workflow_runs;
 CREATE TRIGGER workflow_runs_deleted AFTER DELETE ON workflow_runs
     REFERENCING OLD TABLE AS gone
     FOR EACH STATEMENT EXECUTE FUNCTION workflow_runs_deleted();
+
+DROP TRIGGER IF EXISTS workflow_runs_truncated ON workflow_runs;
+CREATE TRIGGER workflow_runs_truncated AFTER TRUNCATE ON workflow_runs
+    FOR EACH STATEMENT EXECUTE FUNCTION workflow_runs_truncated();
+
+ALTER TABLE workflow_tasks DROP CONSTRAINT IF EXISTS workflow_tasks_run_id_fkey;
+DROP INDEX IF EXISTS workflow_runs_claimed;
+DROP INDEX IF EXISTS workflow_runs_due;

@@ -29,7 +29,7 @@ from psycopg_pool import ConnectionPool
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
 from workflow.store.connections import Connections, Rows
-from workflow.store.group_commit import GroupCommit, combined_params
+from workflow.store.group_commit import GroupCommit
 from workflow.store.migrate import (
     SCHEMA_VERSION,
     SchemaOutdated,
@@ -74,12 +74,13 @@ __all__ = [
     "WorkflowStats",
     "bool_array",
     "check_schema",
-    "combined_params",
     "current_database",
     "in_transaction",
     "migrate",
     "schema_version",
     "slot_race",
+    "start_arrays",
+    "step_arrays",
     "storable",
     "text_array",
 ]
@@ -190,6 +191,33 @@ def _task_filter(task: str | None, code: str | AnyCode | None) -> dict[str, Any]
     return {"task": task, "match_code": matching, "code": code if matching else None}
 
 
+def step_arrays(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The parameters of `complete_tasks` for several `complete_task` parameter sets, in
+    run id order (so that the rows are locked in that order)."""
+    ordered = sorted(steps, key=lambda p: p["id"])
+    return {
+        "ids": [p["id"] for p in ordered],
+        "claims": [p["claim_id"] for p in ordered],
+        "seqs": [p["seq"] for p in ordered],
+        "outputs": [p["output"] for p in ordered],
+        "next_seqs": [p["next_seq"] for p in ordered],
+        "finishes": [p["finishes"] for p in ordered],
+        "wake_keys": [p["wake_key"] for p in ordered],
+        "channel": CHANNEL,
+    }
+
+
+def start_arrays(starts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The parameters of `insert_runs` for several `insert_run` parameter sets (runs with
+    neither an idempotency key nor a concurrency key), in the order given."""
+    columns = ("id", "workflow", "status", "input", "input_sealed", "context",
+               "context_sealed", "task_count", "current_seq", "claim_id", "names", "skipped",
+               "wake", "traceparent", "tracestate", "run_at", "delay")
+    arrays: dict[str, Any] = {column: [p[column] for p in starts] for column in columns}
+    arrays["channel"] = CHANNEL
+    return arrays
+
+
 def _execute(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Rows:
     """Run a named statement on `conn`, rows as tuples whatever its row factory."""
     return conn.cursor(row_factory=tuple_row).execute(_Q[name], params).fetchall()
@@ -220,9 +248,13 @@ class Store:
             clock=clock,
         )
         self._run = self.connections.run
-        self.steps = GroupCommit(self._complete_alone, self._complete_together,
-                                 EngineLog(logger or logging.getLogger("workflow")))
+        log = EngineLog(logger or logging.getLogger("workflow"))
+        self.steps = GroupCommit(self._complete_alone, self._complete_together, log,
+                                 "task steps")
         """How task steps are written: alone, or together with other runs' (group commit)."""
+        self.starts = GroupCommit(self._insert_alone, self._insert_together, log,
+                                  "starts")
+        """How runs started without a transaction or key of the caller's are inserted."""
 
     def close(self, *, forked: bool = False) -> None:
         """Give the warm connections back (`forked`: forget them, they are the parent's)."""
@@ -315,6 +347,8 @@ class Store:
         }
         # A run without a key pays nothing for keys: its statement reads no slot.
         name = "insert_run" if concurrency_key is None else "insert_keyed_run"
+        if conn is None and idempotency_key is None and concurrency_key is None:
+            return self.starts.write(params)
         if conn is None:
             rows = self._run(name, params, "inserted_run")
         else:
@@ -327,6 +361,20 @@ class Store:
                     "connection to the manager's database"
                 ) from e
         return (rows[0][0], bool(rows[0][2])) if rows else None
+
+    def _insert_alone(
+        self, params: dict[str, Any], may_have_landed: bool
+    ) -> tuple[uuid.UUID, bool] | None:
+        rows = self._run("insert_run", params, "inserted_run", may_have_landed=may_have_landed)
+        return (rows[0][0], bool(rows[0][2])) if rows else None
+
+    def _insert_together(self, batch: list[dict[str, Any]]) -> list[tuple[uuid.UUID, bool] | None]:
+        rows = self.connections.once("insert_runs", start_arrays(batch))
+        inserted = {row[0]: bool(row[2]) for row in rows}
+        if len(inserted) != len(batch):
+            # Only a clash of random ids could do this: let each insert go alone.
+            raise RuntimeError(f"{len(batch) - len(inserted)} of {len(batch)} runs not inserted")
+        return [(params["id"], inserted[params["id"]]) for params in batch]
 
     def find_idempotent_run(
         self, conn: psycopg.Connection[Any] | None, workflow: str, key: str
@@ -471,10 +519,12 @@ class Store:
         )
         return bool(rows)
 
-    def _complete_together(self, params: dict[str, Any]) -> set[uuid.UUID]:
+    def _complete_together(self, batch: list[dict[str, Any]]) -> list[bool]:
         # One try only: on any failure GroupCommit writes the steps alone, each
         # looking first for what this try may have done.
-        return {row[0] for row in self.connections.once("complete_tasks", params)}
+        rows = self.connections.once("complete_tasks", step_arrays(batch))
+        matched = {(row[0], row[1]) for row in rows}
+        return [(params["id"], params["claim_id"]) in matched for params in batch]
 
     def fail_task(
         self,

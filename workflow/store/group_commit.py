@@ -1,111 +1,103 @@
-"""Group commit: the task steps that several runs of one process record at the same
-moment share one statement and one commit.
+"""Group commit: writes that several threads of one process make at the same moment
+share one statement and one commit. The store uses it for task steps and for the
+fast path's starts.
 
-A step that arrives while no write is in flight is written at once, alone, by its
-own thread (so a lone run, or one thread, waits for nothing more than its own
-round trip). Steps that arrive while a write is in flight queue; when that write
-ends, the first of them is woken to write the whole queue in one statement (the
-others are woken with their answers when it ends). Each step's write is still
-fenced by its own claim, and each caller learns whether *its* claim matched.
+A write that arrives while no write of its kind is in flight is made at once,
+alone, by its own thread (so a lone run, or one thread, waits for nothing more than
+its own round trip). Writes that arrive while one is in flight queue; when that
+write ends, the first of them is woken to make the whole queue in one statement
+(the others are woken with their answers when it ends). Each caller gets its own
+answer: for a task step, whether *its* claim matched.
 
 A combined statement that fails for any reason (a lost connection, a row the
-server refuses, a deadlock) is followed by the same steps written one by one, each
-first looking for what an earlier try did (`released`), so one bad row cannot fail
-another run and a write whose reply was lost is not taken for a lost claim.
-Nothing returns to a caller before its step has committed: a run never moves to its
-next task on an output that is not durable.
+server refuses, a deadlock) is followed by the same writes made again one by one,
+each by its own caller's thread and told that an earlier try may have landed (so it
+first looks for what that try did): one bad row cannot fail another caller, a write
+whose reply was lost is not taken for one that never happened, and no caller waits
+behind another's retries. Nothing returns to a caller before its
+write has committed: a run never moves to its next task on an output that is not
+durable.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from workflow.logs import EngineLog
 
-__all__ = ["GroupCommit", "combined_params"]
+__all__ = ["GroupCommit"]
 
 _Params = dict[str, Any]
+T = TypeVar("T")
 
 
-def combined_params(steps: Sequence[_Params]) -> _Params:
-    """The parameters of `complete_tasks` for these `complete_task` parameter sets.
+class _Write(Generic[T]):
+    """One caller's write: its parameters, its answer, and the latch it waits on."""
 
-    The steps go in run id order, so that the rows are locked in that order.
-    """
-    ordered = sorted(steps, key=lambda p: p["id"])
-    return {
-        "ids": [p["id"] for p in ordered],
-        "claims": [p["claim_id"] for p in ordered],
-        "seqs": [p["seq"] for p in ordered],
-        "outputs": [p["output"] for p in ordered],
-        "next_seqs": [p["next_seq"] for p in ordered],
-        "finishes": [p["finishes"] for p in ordered],
-        "wake_keys": [p["wake_key"] for p in ordered],
-        "channel": ordered[0]["channel"],
-    }
-
-
-class _Step:
-    """One caller's step: its parameters, its answer, and the latch it waits on."""
-
-    __slots__ = ("batch", "error", "latch", "matched", "params")
+    __slots__ = ("again", "answer", "batch", "error", "latch", "params")
 
     def __init__(self, params: _Params) -> None:
         self.params = params
-        self.matched = False
+        self.answer: T | None = None
         self.error: BaseException | None = None
-        # Set when this step is woken to write a batch (itself first) rather than
+        # Set when this write is woken to make a batch (itself first) rather than
         # with its answer.
-        self.batch: list[_Step] | None = None
+        self.batch: list[_Write[T]] | None = None
+        # Set when the combined statement it was in failed: its own thread makes it
+        # again, alone.
+        self.again = False
         self.latch = threading.Lock()
         self.latch.acquire()
 
 
-class GroupCommit:
-    """Writes steps alone when nothing else is in flight, and together when it is.
+class GroupCommit(Generic[T]):
+    """Makes writes of one kind alone when nothing else is in flight, together when it is.
 
-    `single(params, may_have_landed)` writes one step (retrying lost connections
-    itself) and says whether its claim matched; `combined(params)` writes several
-    in one statement and returns the run ids whose claims matched.
+    `single(params, may_have_landed)` makes one write (riding out lost connections
+    itself, and first looking for what an earlier try did when `may_have_landed`)
+    and returns its answer; `combined(batch)` makes several in one statement, one
+    try, and returns their answers in the same order. `what` names the writes in
+    the log.
     """
 
     def __init__(
         self,
-        single: Callable[[_Params, bool], bool],
-        combined: Callable[[_Params], set[uuid.UUID]],
+        single: Callable[[_Params, bool], T],
+        combined: Callable[[list[_Params]], list[T]],
         log: EngineLog,
+        what: str,
     ) -> None:
         self._single = single
         self._combined = combined
         self._log = log
+        self._what = what
         self._lock = threading.Lock()
         self._busy = False
-        self._queue: list[_Step] = []
+        self._queue: list[_Write[T]] = []
         self.flushes = 0
-        """Statements written (alone or combined), for tests and benchmarks."""
-        self.combined_steps = 0
-        """Steps that went in a combined statement."""
+        """Statements made (alone or combined), for tests and benchmarks."""
+        self.combined = 0
+        """Writes that went in a combined statement."""
 
     @property
     def busy(self) -> bool:
-        """Whether a write is in flight (a step arriving now waits and joins the next)."""
+        """Whether a write is in flight (a write arriving now waits and joins the next)."""
         return self._busy
 
     @property
     def queued(self) -> int:
-        """How many steps wait for the write in flight to end."""
+        """How many writes wait for the one in flight to end."""
         return len(self._queue)
 
-    def write(self, params: _Params) -> bool:
-        """Record one step; True when its claim matched. Blocks until it has committed.
+    def write(self, params: _Params) -> T:
+        """Make one write; its answer. Blocks until it has committed.
 
-        Raises what writing it alone raised (a closed pool, an error of the
+        Raises what making it alone raised (a closed pool, an error of the
         database's that is not a lost connection).
         """
-        step = _Step(params)
+        step: _Write[T] = _Write(params)
         with self._lock:
             lead = not self._busy
             if lead:
@@ -118,12 +110,18 @@ class GroupCommit:
             step.latch.acquire()
             if step.batch is not None:
                 self._flush(step.batch)
+        if step.again:
+            self._alone(step, True)
         if step.error is not None:
             raise step.error
-        return step.matched
+        return step.answer  # type: ignore[return-value]  # set when no error was
 
-    def _flush(self, batch: list[_Step]) -> None:
-        """Write `batch` (its first step is the caller's), hand the queue on, wake the rest."""
+    def _flush(self, batch: list[_Write[T]]) -> None:
+        """Make `batch` (its first write is the caller's), hand the queue on, wake the rest.
+
+        When a combined statement fails, each of its writes is made again alone by its
+        own caller's thread, in parallel: none waits behind another's retries.
+        """
         try:
             if len(batch) == 1:
                 self._alone(batch[0], False)
@@ -141,27 +139,29 @@ class GroupCommit:
             for step in batch[1:]:
                 step.latch.release()
 
-    def _alone(self, step: _Step, may_have_landed: bool) -> None:
+    def _alone(self, step: _Write[T], may_have_landed: bool) -> None:
         try:
-            step.matched = self._single(step.params, may_have_landed)
+            step.answer = self._single(step.params, may_have_landed)
         except BaseException as e:
             step.error = e
 
-    def _together(self, batch: list[_Step]) -> None:
+    def _together(self, batch: list[_Write[T]]) -> None:
         try:
-            matched = self._combined(combined_params([step.params for step in batch]))
+            answers = self._combined([step.params for step in batch])
+            if len(answers) != len(batch):
+                raise RuntimeError(f"{len(answers)} answers for {len(batch)} writes")
         except BaseException as e:
             if not isinstance(e, Exception):  # an interrupt: no step may pass for written
                 for step in batch:
                     step.error = e
                 raise
             self._log.warning(
-                "a combined write of %d task steps failed (%s); writing them one by one",
-                len(batch), e,
+                "a combined write of %d %s failed (%s); making them one by one",
+                len(batch), self._what, e,
             )
             for step in batch:
-                self._alone(step, True)
+                step.again = True
             return
-        self.combined_steps += len(batch)
-        for step in batch:
-            step.matched = step.params["id"] in matched
+        self.combined += len(batch)
+        for step, answer in zip(batch, answers, strict=True):
+            step.answer = answer

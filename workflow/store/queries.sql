@@ -47,6 +47,44 @@ SELECT run.id,
 FROM run;
 
 
+-- name: insert_runs
+-- insert_run for several runs with neither an idempotency key nor a concurrency key, in one statement and one
+-- commit (group commit of the fast path's starts), in the order given; per run its id, the wake-up, and whether
+-- it is claimed. `names` and `skipped` hold each run's task snapshot as an array literal.
+WITH given AS (
+    SELECT * FROM unnest(%(id)s::uuid[], %(workflow)s::text[], %(status)s::text[], %(input)s::text[],
+                         %(input_sealed)s::bytea[], %(context)s::text[], %(context_sealed)s::bytea[],
+                         %(task_count)s::smallint[], %(current_seq)s::smallint[], %(claim_id)s::uuid[],
+                         %(names)s::text[], %(skipped)s::text[], %(wake)s::boolean[],
+                         %(traceparent)s::text[], %(tracestate)s::text[], %(run_at)s::timestamptz[],
+                         %(delay)s::float8[])
+        WITH ORDINALITY AS g (id, workflow, status, input, input_sealed, context, context_sealed,
+                              task_count, current_seq, claim_id, names, skipped, wake, traceparent,
+                              tracestate, run_at, delay, n)
+), run AS (
+    INSERT INTO workflow_runs (id, workflow, status, input, input_sealed, context, context_sealed,
+                               task_count, current_seq, claim_id, heartbeat_at, finished_at,
+                               traceparent, tracestate, next_retry_at, created_at)
+    SELECT id, workflow, status, input::jsonb, input_sealed, context::jsonb, context_sealed,
+           task_count, current_seq, claim_id,
+           CASE WHEN claim_id IS NULL THEN NULL ELSE now() END,
+           CASE WHEN status = 'succeeded' THEN now() END,
+           traceparent, tracestate,
+           CASE WHEN run_at IS NOT NULL THEN run_at
+                WHEN delay IS NOT NULL THEN now() + make_interval(secs => delay)
+                ELSE now() END,
+           clock_timestamp()
+    FROM given ORDER BY n
+    RETURNING id, created_at
+), tasks AS (
+    INSERT INTO workflow_tasks (run_id, seq, name, skipped, finished_at)
+    SELECT run.id, t.seq::smallint, t.name, t.skipped, CASE WHEN t.skipped THEN run.created_at END
+    FROM run JOIN given g ON g.id = run.id,
+         unnest(g.names::text[], g.skipped::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
+)
+SELECT run.id, (SELECT pg_notify(%(channel)s, g.workflow) WHERE g.wake), g.claim_id IS NOT NULL
+FROM run JOIN given g ON g.id = run.id;
+
 -- name: insert_keyed_run
 -- insert_run for a run with a concurrency key (its digest): claimed by the caller only when claim_id is set and
 -- its key has a free slot below `concurrency` and no run waiting for one (it takes the lowest free slot);
@@ -374,8 +412,10 @@ RETURNING t.seq, run.woke;
 
 -- name: complete_tasks
 -- complete_task for several runs in one statement and one commit (group commit), each step fenced by its own
--- claim as complete_task's is: the runs whose claim matched come back, and no other. The caller passes the
--- steps in id order, so the rows are locked in that order.
+-- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
+-- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
+-- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
+-- and the caller then writes the steps one by one.
 WITH step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
@@ -391,7 +431,7 @@ WITH step AS (
         key_slot = CASE WHEN s.finishes THEN NULL ELSE r.key_slot END
     FROM step s
     WHERE r.id = s.id AND r.claim_id = s.claim_id
-    RETURNING r.id, s.seq, s.output,
+    RETURNING r.id, s.claim_id, s.seq, s.output,
               CASE WHEN s.finishes AND s.wake_key AND r.concurrency_key IS NOT NULL
                         AND EXISTS (SELECT FROM workflow_runs w
                                     WHERE w.workflow = r.workflow
@@ -403,7 +443,7 @@ UPDATE workflow_tasks t
 SET output = run.output::jsonb, finished_at = now()
 FROM run
 WHERE t.run_id = run.id AND t.seq = run.seq
-RETURNING t.run_id, run.woke;
+RETURNING t.run_id, run.claim_id, run.woke;
 
 -- name: fail_task
 -- Record a failed attempt, and its history row: retry after `delay` seconds, under the claim or released for a poller (fenced).
