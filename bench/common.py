@@ -285,3 +285,26 @@ def slice_loops(
     if errors:
         raise errors[0]
     return sum(counts), time.process_time() - cpu0
+
+
+def postgres_cpu(
+    known: dict[int, Any], skip: set[int] | frozenset[int] = frozenset()
+) -> dict[int, float]:
+    """CPU seconds (user + system) of every `postgres` process on this machine, by pid.
+
+    `known` caches the psutil handles between calls (pass the same dict each time);
+    `skip` leaves pids out. A process that is gone is left out of the answer.
+    """
+    import psutil
+
+    out: dict[int, float] = {}
+    for proc in psutil.process_iter(["name"]):
+        if proc.info["name"] != "postgres" or proc.pid in skip:
+            continue
+        handle = known.setdefault(proc.pid, proc)
+        try:
+            times = handle.cpu_times()
+        except psutil.Error:
+            continue
+        out[proc.pid] = times.user + times.system
+    return out

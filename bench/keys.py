@@ -212,7 +212,15 @@ INSERT INTO workflow_tasks (run_id, seq, name) SELECT id, 1, 'bench.a' FROM runs
 """
 
 
-def _backlog_once(root: str, url_name: str, runs: int, workers: int, concurrency: int) -> float:
+def _next_xid(conn: Any) -> int:
+    row = conn.execute("SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint").fetchone()
+    return int(row[0])
+
+
+def _backlog_once(root: str, url_name: str, runs: int, workers: int,
+                  concurrency: int) -> tuple[float, float]:
+    """Runs/s of one drain, and write transactions per run of the drain (claims,
+    completions, heartbeats: the backlog's own insert is one transaction)."""
     import psycopg
 
     url = scratch_db(url_name, fresh=True)
@@ -228,7 +236,9 @@ def _backlog_once(root: str, url_name: str, runs: int, workers: int, concurrency
         with conn.transaction():
             conn.execute(BACKLOG, {"runs": runs})
             conn.execute("SELECT pg_notify('workflow_runs', 'Bench.One')")
-        return runs / _until_succeeded(conn, runs)
+        xid = _next_xid(conn)
+        rate = runs / _until_succeeded(conn, runs)
+        return rate, (_next_xid(conn) - xid) / runs
 
 
 def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int) -> None:
@@ -238,21 +248,28 @@ def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int)
     try:
         roots = {"before": old, "after": REPO}
         rates: dict[str, list[float]] = {"before": [], "after": []}
+        xacts: dict[str, list[float]] = {"before": [], "after": []}
         for r in range(rounds):
             order = ("before", "after") if r % 2 == 0 else ("after", "before")
             for name in order:
-                rates[name].append(
-                    _backlog_once(roots[name], f"bench_keys_{name}", runs, workers, concurrency)
-                )
+                rate, per_run = _backlog_once(roots[name], f"bench_keys_{name}", runs,
+                                              workers, concurrency)
+                rates[name].append(rate)
+                xacts[name].append(per_run)
             log(f"backlog: round {r + 1}/{rounds}")
         ratio = statistics.median(a / b for a, b in zip(rates["after"], rates["before"],
                                                          strict=True))
         emit({"bench": "keys.backlog", "before_rev": before, "runs": runs, "workers": workers,
               "before_runs_per_s": statistics.median(rates["before"]),
-              "after_runs_per_s": statistics.median(rates["after"]), "after/before": ratio})
+              "after_runs_per_s": statistics.median(rates["after"]), "after/before": ratio,
+              "before_write_xacts": statistics.median(xacts["before"]),
+              "after_write_xacts": statistics.median(xacts["after"])})
         print(f"\nunkeyed backlog of {runs}, {workers} workers: before "
               f"{statistics.median(rates['before']):.0f} runs/s, after "
-              f"{statistics.median(rates['after']):.0f} runs/s, after/before {ratio:.3f}")
+              f"{statistics.median(rates['after']):.0f} runs/s, after/before {ratio:.3f}; "
+              f"write transactions per run of the drain: before "
+              f"{statistics.median(xacts['before']):.2f}, after "
+              f"{statistics.median(xacts['after']):.2f}")
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
                        check=False, capture_output=True)

@@ -39,7 +39,7 @@ import psycopg
 
 import workflow
 from bench.apps import Order, OrderFlow, order_registry
-from bench.common import emit, log, scratch_db, slice_loops
+from bench.common import emit, log, postgres_cpu, scratch_db, slice_loops
 from workflow.store import migrate
 
 DB = "bench_typed"
@@ -135,17 +135,7 @@ class _Server:
         self._procs: dict[int, psutil.Process] = {}
 
     def _cpu(self) -> float:
-        total = 0.0
-        for proc in psutil.process_iter(["name"]):
-            if proc.info["name"] != "postgres":
-                continue
-            known = self._procs.setdefault(proc.pid, proc)
-            try:
-                times = known.cpu_times()
-            except psutil.Error:
-                continue
-            total += times.user + times.system
-        return total
+        return sum(postgres_cpu(self._procs).values())
 
     def read(self) -> tuple[float, int, int]:
         row = self._conn.execute(
