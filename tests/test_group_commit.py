@@ -24,10 +24,12 @@ from typing import Any
 import psycopg
 import pytest
 from helpers import Records, insert_claimed_run, wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 from replyproxy import ReplyProxy
 
-from workflow.store import CHANNEL, Store
+from workflow.store import CHANNEL, Store, array_literal
 from workflow.store.group_commit import GroupCommit
 
 OUTPUT = '{"ref": "x"}'
@@ -365,3 +367,29 @@ def test_a_combined_start_whose_reply_is_lost_recognises_its_runs(
     ]
     row = db.execute("SELECT count(*), count(DISTINCT id) FROM workflow_runs").fetchone()
     assert row == (4, 4), "each run inserted once"
+
+
+# --- the arrays sent as literals -----------------------------------------------------
+
+_TEXT = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"))
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.one_of(st.none(), _TEXT), max_size=8))
+def test_text_arrays_sent_as_literals_arrive_as_they_were(
+    db: psycopg.Connection[Any], values: list[str | None]
+) -> None:
+    """Outputs (JSON text with quotes, backslashes, braces, commas, blanks, NULL) go to
+    the combined writes as one array literal: the server must read back every element."""
+    row = db.execute("SELECT %s::text[]", (array_literal(values),)).fetchone()
+    assert row is not None and row[0] == values
+
+
+def test_uuid_int_and_bool_arrays_sent_as_literals(db: psycopg.Connection[Any]) -> None:
+    ids = [uuid.uuid4(), uuid.uuid4()]
+    row = db.execute(
+        "SELECT %s::uuid[], %s::smallint[], %s::boolean[]",
+        (array_literal(ids), array_literal([1, None, 3]), array_literal([True, False, None])),
+    ).fetchone()
+    assert row == (ids, [1, None, 3], [True, False, None])
