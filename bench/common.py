@@ -308,3 +308,10 @@ def postgres_cpu(
             continue
         out[proc.pid] = times.user + times.system
     return out
+
+
+def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU seconds spent between two `postgres_cpu` readings: a process present in both
+    counts its difference, one started in between all of its time, one gone by the
+    second reading nothing (so other clients' exits can never make it negative)."""
+    return sum(t - before.get(pid, 0.0) for pid, t in after.items())

@@ -68,7 +68,7 @@ def prepare(db: str, *, fresh: bool = False) -> str:
     url = scratch_db(db, fresh=fresh)
     workflow.store.migrate(url)
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("TRUNCATE workflow_runs, workflow_tasks")
+        conn.execute("TRUNCATE workflow_runs, workflow_tasks, workflow_events")
     return url
 
 
@@ -238,8 +238,9 @@ def start_workers(url: str, db: str, procs: int, extra: list[str], listen: bool)
     for i in range(procs):
         env = dict(os.environ, PGAPPNAME=f"bench-worker-{i}", PYTHONPATH=REPO)
         popens.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL))
-    # Ready: every worker has claimed once (its poller is up) and, with LISTEN,
-    # its listener has subscribed.
+    # Ready: every worker has claimed once, or read its next due time (its poller is
+    # up: both statements filter on its workflows), and, with LISTEN, its listener has
+    # subscribed.
     deadline = time.monotonic() + 60
     with psycopg.connect(url, autocommit=True) as conn:
         while True:
@@ -247,7 +248,7 @@ def start_workers(url: str, db: str, procs: int, extra: list[str], listen: bool)
                 """
                 SELECT application_name,
                        bool_or(query LIKE 'LISTEN%%'),
-                       bool_or(query LIKE '%%gen_random_uuid()%%')
+                       bool_or(query LIKE '%%workflow = ANY(%%')
                 FROM pg_stat_activity WHERE datname = %s AND application_name LIKE 'bench-worker-%%'
                 GROUP BY application_name
                 """,
@@ -454,7 +455,7 @@ def _populate(url: str, size: int) -> None:
             " count(*) FILTER (WHERE claim_id IS NOT NULL) FROM workflow_runs"
         ).fetchone()
         if tuple(counts) != (size, 100, 50):
-            conn.execute("TRUNCATE workflow_runs, workflow_tasks")
+            conn.execute("TRUNCATE workflow_runs, workflow_tasks, workflow_events")
             t0 = time.perf_counter()
             # Live state: 40 claimed runs with a fresh heartbeat, 10 stale ones (the
             # sweep releases these), 100 pending runs for the claim to take 10 of.

@@ -46,7 +46,7 @@ def child(url: str, threads: int, seconds: float) -> None:
     """One slice of the fast path, with the `workflow` found first on PYTHONPATH."""
     import workflow
     from bench.apps import Order, OrderFlow, order_registry
-    from bench.common import slice_loops
+    from bench.common import cpu_spent, slice_loops
     from bench.typed import _Server
 
     mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
@@ -67,7 +67,7 @@ def child(url: str, threads: int, seconds: float) -> None:
     print("SLICE " + json.dumps({
         "runs_per_s": runs / seconds,
         "client_cpu_ms": 1000 * client / per,
-        "server_cpu_ms": 1000 * (cpu1 - cpu0) / per,
+        "server_cpu_ms": 1000 * cpu_spent(cpu0, cpu1) / per,
         "wal_bytes": (wal1 - wal0) / per,
         "write_xacts": (xid1 - xid0) / per,
         "code": os.path.dirname(os.path.dirname(workflow.__file__)),

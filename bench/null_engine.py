@@ -82,7 +82,7 @@ def prepare(url_db: str) -> str:
     url = scratch_db(url_db)
     migrate(url)
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute("TRUNCATE workflow_runs, workflow_tasks")
+        conn.execute("TRUNCATE workflow_runs, workflow_tasks, workflow_events")
     return url
 
 

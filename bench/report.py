@@ -8,6 +8,7 @@ python -m bench.report [RESULTS.json [OUT.md]]
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import sys
@@ -18,26 +19,265 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PEERS = ["dbos", "procrastinate", "celery"]
 
 
+def _num(x: Any) -> float | None:
+    """x as a finite number, else None (a missing value, NaN or infinity)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        return None
+    return float(x)
+
+
 def _med(xs: list[float]) -> float | None:
-    xs = [x for x in xs if x is not None]
+    xs = [v for v in map(_num, xs) if v is not None]
     return statistics.median(xs) if xs else None
 
 
 def _f(x: float | None, nd: int = 0, suffix: str = "") -> str:
+    x = _num(x)
     if x is None:
         return "—"
     return f"{x:,.{nd}f}{suffix}"
 
 
 def _r(x: float | None) -> str:
+    x = _num(x)
     return "—" if x is None else f"{x:.2f}×"
 
 
 def _range(xs: list[float], nd: int = 2) -> str:
-    xs = [x for x in xs if x is not None]
+    xs = [v for v in map(_num, xs) if v is not None]
     if len(xs) < 2:
         return ""
     return f" ({min(xs):,.{nd}f}–{max(xs):,.{nd}f})"
+
+
+TYPED_ENGINES = ("engine", "own-null", "min-null")
+TYPED_RATIOS = ("engine/own-null", "own-null/min-null", "engine/min-null")
+# (key in typed.py's RESULT, column title for values, for ratios, decimals)
+TYPED_METRICS = (
+    ("runs_per_s", "runs/s", "runs/s", 0),
+    ("client_cpu_ms", "client CPU ms/run", "client CPU/run", 3),
+    ("server_cpu_ms", "server CPU ms/run", "server CPU/run", 3),
+    ("wal_bytes", "WAL bytes/run", "WAL/run", 0),
+    ("write_xacts", "write transactions/run", "write transactions/run", 2),
+)
+BACKLOG_SYSTEMS = ("pgworkflow", "pgqueuer", "procrastinate")
+BACKLOG_PEERS = {"pgqueuer": ("PGQueuer", 1.5), "procrastinate": ("Procrastinate", 5.0)}
+
+
+def _met(v: float | None, ok: bool, shown: str) -> str:
+    """`shown` (the value) — met / not met; or "not measured"."""
+    if _num(v) is None:
+        return "not measured"
+    return f"{shown} — " + ("**met**" if ok else "**not met**")
+
+
+def _threads(n: int) -> str:
+    return f"{n} thread" + ("" if n == 1 else "s")
+
+
+def _typed_section(w: Any, results: list[dict[str, Any]]) -> None:
+    """The headline: bench/typed.py's typed 3-task runs on the engine and two null engines."""
+    ty = [r for r in results if r.get("bench") == "typed"]
+    if not ty:
+        return
+    by: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for r in ty:
+        by[r["threads"]].append(r)
+
+    def val(threads: int, name: str, key: str) -> float | None:
+        return _med([(r.get(name) or {}).get(key) for r in by.get(threads, [])])
+
+    w("## Headline: what users run (typed 3-task runs) against two null engines")
+    w("")
+    w(
+        "`bench/typed.py`: `Bench.Order` runs (an attrs input; three tasks, each returning a "
+        "small typed output that the next task reads), started and awaited in closed loops from "
+        "T threads on three engines that alternate in short slices, their order rotating each "
+        "round. **engine**: pgworkflow's fast path, `OrderFlow.start(mgr, order).wait()` with "
+        "tracing off. **own-null**: pgworkflow's own four statements by hand on its own tables, "
+        "with the same JSON outputs. **min-null**: the least SQL any durable ordered-workflow "
+        "engine must commit (one insert of the run with its claimed tasks, one fenced update "
+        "per task) on a narrow schema with primary keys only. Per run: client CPU (the "
+        "benchmark process), server CPU (every `postgres` process on the machine, so other work "
+        "on it leaks in), WAL bytes and write transactions (xids assigned). Values are medians "
+        "over rounds; ratios are taken within a round, then medianed."
+    )
+    w("")
+    w(
+        "How to read the ratios: **engine/own-null** is the cost of pgworkflow's Python (the "
+        "same SQL with and without the library); **own-null/min-null** is the cost of "
+        "pgworkflow's schema (its statements on its tables against the minimal SQL on the narrow "
+        "schema); **engine/min-null** is the total, what a user pays against the least any "
+        "engine could do. On runs/s a ratio above 1 means faster than the denominator; on "
+        "client CPU, server CPU, WAL and write transactions per run a ratio above 1 means more "
+        "cost than the denominator (for engine/min-null: more than the minimal engine)."
+    )
+    w("")
+    for threads in sorted(by):
+        w(f"### {_threads(threads)}")
+        w("")
+        w("| engine | " + " | ".join(t for _, t, _, _ in TYPED_METRICS) + " |")
+        w("|---" * (len(TYPED_METRICS) + 1) + "|")
+        for name in TYPED_ENGINES:
+            w(
+                f"| {name} | "
+                + " | ".join(_f(val(threads, name, k), nd) for k, _, _, nd in TYPED_METRICS)
+                + " |"
+            )
+        w("")
+        w("| ratio | " + " | ".join(t for _, _, t, _ in TYPED_METRICS) + " |")
+        w("|---" * (len(TYPED_METRICS) + 1) + "|")
+        for name in TYPED_RATIOS:
+            cells = [_r(val(threads, name, k)) for k, _, _, _ in TYPED_METRICS]
+            if name == "engine/min-null":
+                w(f"| **{name}** | " + " | ".join(f"**{c}**" for c in cells) + " |")
+            else:
+                w(f"| {name} | " + " | ".join(cells) + " |")
+        w("")
+
+    negative = [
+        f"{name}, {_threads(threads)}"
+        for threads in sorted(by)
+        for name in TYPED_ENGINES
+        if (_num(val(threads, name, "server_cpu_ms")) or 0) < 0
+    ]
+    if negative:
+        w(
+            "Negative server CPU (" + "; ".join(negative) + "): typed.py sums the CPU of every "
+            "`postgres` process before and after a slice, and a backend that exits in between "
+            "(another client's) takes its CPU out of the second sum. Those figures, and the "
+            "ratios made from them, are not measurements."
+        )
+        w("")
+
+    w("### Goals (engine/min-null)")
+    w("")
+    goals: list[tuple[str, str, int, float, bool]] = [
+        ("runs/s", "runs_per_s", 1, 0.85, True),
+        ("runs/s", "runs_per_s", 8, 1.0, True),
+        ("server CPU per run", "server_cpu_ms", 1, 1.2, False),
+        ("server CPU per run", "server_cpu_ms", 8, 0.8, False),
+        ("WAL per run", "wal_bytes", 1, 1.2, False),
+        ("WAL per run", "wal_bytes", 8, 0.8, False),
+    ]
+    goals += [("client CPU per run", "client_cpu_ms", th, 1.5, False) for th in sorted({1, 8, *by})]
+    for title, key, threads, limit, at_least in goals:
+        v = _num(val(threads, "engine/min-null", key))
+        ok = v is not None and (v >= limit if at_least else v <= limit)
+        sign = "≥" if at_least else "≤"
+        head = f"- {title} {sign} {limit:g}× min-null at {_threads(threads)}: "
+        if v is not None and v < 0:  # a cost cannot be negative: see the note above
+            w(head + f"{_r(v)} — **not measurable** (negative)")
+        else:
+            w(head + _met(v, ok, _r(v)))
+    w("")
+
+
+def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
+    """bench/backlog.py: the worker backlog beside PGQueuer and Procrastinate."""
+    bl = [r for r in results if r.get("bench") == "backlog"]
+    if not bl:
+        return
+    by: dict[tuple[str, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in bl:
+        by[(r["system"], r["consumers"])].append(r)
+    cs = sorted({c for _, c in by})
+    systems = [x for x in BACKLOG_SYSTEMS if any(k[0] == x for k in by)]
+    systems += sorted({k[0] for k in by} - set(systems))
+
+    def med(system: str, c: int, key: str) -> float | None:
+        return _med([r.get(key) for r in by.get((system, c), [])])
+
+    def rounds(system: str, c: int, key: str) -> list[float]:
+        return [x for r in by.get((system, c), []) for x in r.get(f"{key}_rounds") or []]
+
+    first = bl[0]
+    n_rounds = max(r.get("rounds", 1) for r in bl)
+    w("## Worker backlog: pgworkflow, PGQueuer, Procrastinate")
+    w("")
+    w(
+        f"`bench/backlog.py`: a backlog of {first.get('n', 0):,} one-task no-op jobs, inserted "
+        "one commit per job the way each library's users enqueue (pgworkflow: `start_tx` in "
+        "its own transaction; PGQueuer: `Queries.enqueue`; Procrastinate: `defer`) while no "
+        "consumer runs, then drained by C consumer processes started the way each library's "
+        "users start one (pgworkflow: `python -m workflow.worker --concurrency "
+        f"{first.get('concurrency')}`; PGQueuer: a QueueManager with one no-op entrypoint, every "
+        f"default; Procrastinate: `procrastinate worker --concurrency={first.get('concurrency')}`). "
+        f"Consumers start `{first.get('start')}`"
+        + (
+            " (launched before the insert with their modules imported, released together after it)"
+            if first.get("start") == "warm"
+            else ""
+        )
+        + ". jobs/s = (N − 1) / (first to last completion), on the database's own timestamps; "
+        "p10–90 = the rate between the 10th and 90th percentile completions, which a late first "
+        "or last batch does not move. Per job over the drain: write transactions (xids "
+        "assigned) server-wide and own (the bench database's alone, read from the WAL with "
+        "pg_walinspect), WAL bytes (own), server CPU (every `postgres` process; other work on "
+        "the machine leaks in). Every job must complete exactly once or the measurement fails. "
+        f"Medians over {n_rounds} round(s) (range of jobs/s in brackets when there are several); "
+        "the ratios are taken within a round, then medianed."
+    )
+    w("")
+    w(
+        "| consumers | system | jobs/s | p10–90 jobs/s | write xacts/job (server) "
+        "| write xacts/job (own) | WAL bytes/job (own) | server CPU ms/job |"
+    )
+    w("|---|---|---|---|---|---|---|---|")
+    for c in cs:
+        for x in systems:
+            if (x, c) not in by:
+                continue
+            w(
+                f"| {c} | {x} | {_f(med(x, c, 'jobs_per_s'))}{_range(rounds(x, c, 'jobs_per_s'), 0)} "
+                f"| {_f(med(x, c, 'jobs_per_s_p10_p90'))} "
+                f"| {_f(med(x, c, 'write_xacts_per_job'), 2)} "
+                f"| {_f(med(x, c, 'own_write_xacts_per_job'), 2)} "
+                f"| {_f(med(x, c, 'own_wal_bytes_per_job'))} "
+                f"| {_f(med(x, c, 'server_cpu_ms_per_job'), 3)} |"
+            )
+    w("")
+    peers = [x for x in BACKLOG_PEERS if x in systems]
+    if "pgworkflow" in systems and peers:
+        w("Throughput ratio pgworkflow / peer (above 1: pgworkflow drains faster):")
+        w("")
+        w("| consumers | " + " | ".join(f"pgworkflow/{x} jobs/s" for x in peers) + " |")
+        w("|---" * (len(peers) + 1) + "|")
+        for c in cs:
+            w(
+                f"| {c} | "
+                + " | ".join(
+                    f"{_r(med('pgworkflow', c, f'pgworkflow/{x}'))}"
+                    f"{_range(rounds('pgworkflow', c, f'pgworkflow/{x}'))}"
+                    for x in peers
+                )
+                + " |"
+            )
+        w("")
+
+    w("### Goals (worker backlog)")
+    w("")
+    for x, (title, limit) in BACKLOG_PEERS.items():
+        for c in cs:
+            v = _num(med("pgworkflow", c, f"pgworkflow/{x}"))
+            w(
+                f"- pgworkflow ≥ {limit:g}× {title}'s jobs/s, {c} consumer(s): "
+                + _met(v, v is not None and v >= limit, _r(v))
+            )
+    for c in cs:
+        own = _num(med("pgworkflow", c, "own_write_xacts_per_job"))
+        src = "own"
+        if own is None:
+            own, src = _num(med("pgworkflow", c, "write_xacts_per_job")), "server-wide"
+        v = None if own is None else own + 1
+        w(
+            f"- write transactions per 1-task job ≤ 1.2, counting its enqueue commit, "
+            f"{c} consumer(s): "
+            + _met(
+                v, v is not None and v <= 1.2, f"{_f(v, 2)} ({src} {_f(own, 2)} in the drain + 1)"
+            )
+        )
+    w("")
 
 
 def write_report(
@@ -94,20 +334,39 @@ def write_report(
     if meta.get("peer_versions"):
         w(
             "| peers | "
-            + ", ".join(f"{k} {v}" for k, v in meta["peer_versions"].items())
+            + ", ".join(
+                f"{k} {v}" + (" (worker backlog only)" if k == "pgqueuer" else "")
+                for k, v in meta["peer_versions"].items()
+            )
             + "; Redis on 127.0.0.1:6379 for Celery |"
         )
     s = meta.get("settings", {})
     p_runs = ", ".join(
         f"{v} {k}-task" for k, v in sorted((s.get("procrastinate_runs") or {}).items())
     )
+    ty = s.get("typed")
+    if ty:
+        w(
+            f"| method (headline) | per thread count ({', '.join(map(str, ty['threads']))}): "
+            f"{ty['rounds']} round(s), each engine one {ty['slice_s']:g} s slice per round, "
+            "the order rotating |"
+        )
     w(
-        f"| method | {s.get('rounds')} round(s); null and engine alternate in "
+        f"| method (untyped fast path, peers) | {s.get('rounds')} round(s); null and engine alternate in "
         f"{s.get('paired_slices')}×2 slices of {s.get('slice_s')} s each per round; peers "
         f"{s.get('peer_duration_s')} s after {s.get('warmup_s')} s warm-up (Procrastinate: "
         f"{p_runs} runs drained) |"
     )
+    bl = s.get("backlog")
+    if bl:
+        w(
+            f"| method (worker backlog) | {bl['n']:,} jobs per measurement; "
+            f"{', '.join(map(str, bl['consumers']))} consumer processes; {bl['rounds']} round(s); "
+            f"{', '.join(bl.get('systems') or [])} |"
+        )
     w("")
+
+    _typed_section(w, results)
 
     fast = [r for r in results if str(r.get("workload", "")).startswith("fast")]
     by: dict[tuple[str, int, int, str], list[dict[str, Any]]] = defaultdict(list)
@@ -137,8 +396,15 @@ def write_report(
     combos = sorted({(t, th) for (_, t, th, _) in by}, key=lambda k: (-k[0], k[1]))
     peers_present = [p for p in PEERS if any(k[0] == p for k in by)]
 
-    # Headline.
-    w("## Headline: ratios")
+    # The untyped fast path (the headline before typed.py).
+    w("## Untyped no-op runs: engine vs its own-SQL null engine, and peers: ratios")
+    w("")
+    w(
+        "The workload of this section and the next: `Bench.Three` / `Bench.One` (bench/apps.py), "
+        "untyped tasks that do nothing and record no output, started and awaited in closed "
+        "loops; null = `bench/null_engine.py`, the engine's own statements by hand on "
+        "pgworkflow's tables (not the minimal engine of the headline)."
+    )
     w("")
     w(
         "Throughput ratio engine / X (above 1: the engine is faster); client CPU ratio "
@@ -243,6 +509,8 @@ def write_report(
                 f"| {_r(rps / null8 if rps and null8 else None)} |"
             )
         w("")
+
+    _backlog_section(w, results)
 
     # Pickup.
     pk = [r for r in results if r.get("workload") == "pickup"]

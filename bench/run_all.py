@@ -1,7 +1,7 @@
 """Run every benchmark in interleaved order and write bench/RESULTS.md.
 
     python bench/run_all.py            # full run (about 15-20 minutes)
-    python bench/run_all.py --quick    # a small version (under 2 minutes once the venvs exist)
+    python bench/run_all.py --quick    # a small version (about 3 minutes once the venvs exist)
 
 Run it with the project's dev environment (the one where `pgworkflow` is
 installed); the peers get their own virtualenvs under bench/.venvs/, created
@@ -10,18 +10,30 @@ here on first use from bench/peers/<name>/requirements.txt. The database is
 every workload uses its own scratch database on that server), Redis
 `$BENCH_REDIS_URL` (default redis://127.0.0.1:6379).
 
-Each measurement is a subprocess printing `RESULT {json}` lines. Rounds repeat
-the fast-path set (null+engine paired, then each peer) so that every system is
-measured at several moments of the machine's load; figures are medians over
-rounds, and ratios are taken within a round and then medianed.
+Each measurement is a subprocess printing `RESULT {json}` lines. In order:
+
+1. bench/typed.py, the headline: typed 3-task runs on the engine and on two null
+   engines, alternating in slices (its own rounds);
+2. rounds of the untyped fast-path set (null+engine paired, then each peer, then
+   engine batch mode), the paired 3-task run from 4 threads, and the workers, so
+   that every system is measured at several moments of the machine's load;
+   figures are medians over rounds, and ratios are taken within a round and then
+   medianed;
+3. bench/backlog.py, the worker backlog beside PGQueuer and Procrastinate (its
+   own rounds);
+4. pickup latency, then the scale test.
+
+A step that fails is listed under Failures in RESULTS.md and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -40,6 +52,9 @@ from bench.common import (  # noqa: E402
 )
 
 PEERS = ["dbos", "procrastinate", "celery"]
+# The worker backlog's peers (bench/backlog.py builds the same venvs; PGQueuer has no
+# fast-path script, so it is not in PEERS).
+BACKLOG_PEERS = ["pgqueuer", "procrastinate"]
 PEER_SCRIPT = {
     "dbos": "peers/dbos/bench_dbos.py",
     "procrastinate": "peers/procrastinate/bench_procrastinate.py",
@@ -68,23 +83,28 @@ class Runner:
         self.say(f"{label}: {shown}")
         env = dict(os.environ, PYTHONPATH=REPO, PYTHONUNBUFFERED="1")
         t0 = time.monotonic()
+        # Its own process group, so that a timeout (or Ctrl-C here) also stops the
+        # processes it started (workers, consumers) instead of leaving them running.
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         try:
-            proc = subprocess.run(
-                cmd,
-                cwd=REPO,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
-            out, err, rc = proc.stdout, proc.stderr, proc.returncode
-        except subprocess.TimeoutExpired as e:
-            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-            err = (e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")) + (
-                f"\ntimed out after {timeout}s"
-            )
+            out, err = proc.communicate(timeout=timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            out, err = stop_group(proc)
+            err += f"\ntimed out after {timeout}s"
             rc = -1
+        except BaseException:
+            stop_group(proc)
+            raise
         self.log.write(f"--- {label} rc={rc} {time.monotonic() - t0:.1f}s\n{out}\n{err}\n")
         self.log.flush()
         got = 0
@@ -95,9 +115,38 @@ class Runner:
                 self.results.append(r)
                 got += 1
         if rc != 0 or not got:
-            tail = "\n".join((err or out).strip().splitlines()[-6:])
+            lines = (err or out).strip().splitlines()
+            # A script that reports its other measurements after one failed (backlog.py)
+            # logs "FAILED" lines: those say what failed, not the last lines.
+            failed = [x for x in lines if "FAILED" in x] if got else []
+            tail = "\n".join(failed[-5:] + lines[-1:] if failed else lines[-6:])
+            if got:
+                tail = f"{got} result(s) kept; {tail}"
             self.errors.append({"label": label, "rc": rc, "error": tail, **extra})
             self.say(f"  FAILED (rc={rc}): {tail.splitlines()[-1] if tail else '?'}")
+
+
+def stop_group(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """SIGTERM to the process group `proc` leads, SIGKILL after 10 s; its output so far."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            out, err = proc.communicate(timeout=10)
+            if sig == signal.SIGTERM:
+                # The leader is gone; its children (in the same group) may not be.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            return out or "", err or ""
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        out, err = proc.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        out, err = "", ""
+    return out or "", err or ""
 
 
 def ensure_venv(runner: Runner, name: str) -> str | None:
@@ -172,7 +221,7 @@ def git_state() -> dict[str, Any]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description="Run the benchmarks, write bench/RESULTS.md")
-    p.add_argument("--quick", action="store_true", help="a small version, under 2 minutes")
+    p.add_argument("--quick", action="store_true", help="a small version, about 3 minutes")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--skip-peers", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
@@ -195,11 +244,18 @@ def main() -> None:
     runner.say(f"postgres: {meta['postgres']}")
 
     peers: dict[str, str] = {}
+    backlog_peers: list[str] = []
     if not args.skip_peers:
         for name in PEERS:
             exe = ensure_venv(runner, name)
             if exe:
                 peers[name] = exe
+        versions = dict(peers)
+        for name in BACKLOG_PEERS:
+            exe = peers.get(name) or (ensure_venv(runner, name) if name not in PEERS else None)
+            if exe:
+                backlog_peers.append(name)
+                versions[name] = exe
         if "celery" in peers:
             try:
                 import socket
@@ -212,7 +268,7 @@ def main() -> None:
                     {"label": "celery", "error": f"Redis unreachable: {e}", "system": "celery"}
                 )
                 peers.pop("celery")
-        meta["peer_versions"] = peer_versions(peers)
+        meta["peer_versions"] = peer_versions(versions)
 
     rounds = args.rounds or (1 if quick else 3)
     if quick:
@@ -221,12 +277,16 @@ def main() -> None:
         peer_sets = [(3, 1), (3, 8)]
         paired_extra = [(1, 1), (1, 8)]
         p_runs = {1: 100, 3: 60}
+        typed = {"threads": [1, 8], "rounds": 1, "slice_s": 1.0}
+        backlog = {"n": 500, "consumers": [1, 4], "rounds": 1}
     else:
         slices, slice_s, dur, warm = 4, 2.0, 6.0, 1.5
         fast_sets = [(3, 1), (3, 8), (1, 1), (1, 8)]
         peer_sets = fast_sets
         paired_extra = [(3, 4)]  # the target says "from 4+ threads": 4 as well as 8
         p_runs = {1: 600, 3: 300}
+        typed = {"threads": [1, 4, 8], "rounds": 5, "slice_s": 2.0}
+        backlog = {"n": 3000, "consumers": [1, 4, 8], "rounds": 2}
     meta["settings"] = {
         "rounds": rounds,
         "paired_slices": slices,
@@ -234,7 +294,26 @@ def main() -> None:
         "peer_duration_s": dur,
         "warmup_s": warm,
         "procrastinate_runs": p_runs,
+        "typed": typed,
+        "backlog": dict(backlog, systems=["pgworkflow", *backlog_peers]),
     }
+
+    # The headline first: typed 3-task runs against two null engines (its own rounds).
+    runner.run(
+        "typed 3-task: engine, own-null, min-null",
+        [
+            py,
+            os.path.join(HERE, "typed.py"),
+            "--threads",
+            ",".join(map(str, typed["threads"])),
+            "--rounds",
+            str(typed["rounds"]),
+            "--slice",
+            f"{typed['slice_s']:g}",
+        ],
+        {},
+        timeout=900,
+    )
 
     for rnd in range(rounds):
         runner.say(f"=== round {rnd + 1}/{rounds}")
@@ -343,6 +422,28 @@ def main() -> None:
                 ],
                 {"round": rnd},
             )
+    # The worker backlog beside PGQueuer and Procrastinate (its own rounds; it exits
+    # non-zero when one of its measurements failed, after reporting the others).
+    runner.run(
+        "backlog: " + ", ".join(meta["settings"]["backlog"]["systems"]),
+        [
+            py,
+            os.path.join(HERE, "backlog.py"),
+            "--n",
+            str(backlog["n"]),
+            "--consumers",
+            ",".join(map(str, backlog["consumers"])),
+            "--rounds",
+            str(backlog["rounds"]),
+            *(
+                []
+                if len(backlog_peers) == len(BACKLOG_PEERS)
+                else ["--systems", ",".join(meta["settings"]["backlog"]["systems"])]
+            ),
+        ],
+        {},
+        timeout=2400,
+    )
     for listen in (True, False):
         runner.run(
             f"pickup {'LISTEN' if listen else 'poll-only'}",
@@ -396,7 +497,12 @@ def main() -> None:
 
 
 def peer_versions(peers: dict[str, str]) -> dict[str, str]:
-    dist = {"dbos": "dbos", "procrastinate": "procrastinate", "celery": "celery"}
+    dist = {
+        "dbos": "dbos",
+        "procrastinate": "procrastinate",
+        "celery": "celery",
+        "pgqueuer": "pgqueuer",
+    }
     out = {}
     for name, exe in peers.items():
         try:

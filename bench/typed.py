@@ -39,7 +39,7 @@ import psycopg
 
 import workflow
 from bench.apps import Order, OrderFlow, order_registry
-from bench.common import emit, log, postgres_cpu, scratch_db, slice_loops
+from bench.common import cpu_spent, emit, log, postgres_cpu, scratch_db, slice_loops
 from workflow.store import migrate
 
 DB = "bench_typed"
@@ -134,16 +134,15 @@ class _Server:
         self._conn = psycopg.connect(url, autocommit=True)
         self._procs: dict[int, psutil.Process] = {}
 
-    def _cpu(self) -> float:
-        return sum(postgres_cpu(self._procs).values())
-
-    def read(self) -> tuple[float, int, int]:
+    def read(self) -> tuple[dict[int, float], int, int]:
+        """(CPU seconds by postgres process, WAL position, next xid): subtract CPU readings
+        with `bench.common.cpu_spent`."""
         row = self._conn.execute(
             "SELECT pg_current_wal_lsn() - '0/0'::pg_lsn, "
             "pg_snapshot_xmax(pg_current_snapshot())::text::bigint"
         ).fetchone()
         assert row is not None
-        return self._cpu(), int(row[0]), int(row[1])
+        return postgres_cpu(self._procs), int(row[0]), int(row[1])
 
     def close(self) -> None:
         self._conn.close()
@@ -180,7 +179,7 @@ def measure(url: str, threads: int, rounds: int, seconds: float) -> dict[str, An
                 samples[name].append({
                     "runs_per_s": runs / seconds,
                     "client_cpu_ms": 1000 * client / per,
-                    "server_cpu_ms": 1000 * (cpu1 - cpu0) / per,
+                    "server_cpu_ms": 1000 * cpu_spent(cpu0, cpu1) / per,
                     "wal_bytes": (wal1 - wal0) / per,
                     # The counters' own reads assign no xid; one round trip each side.
                     "write_xacts": (xid1 - xid0) / per,

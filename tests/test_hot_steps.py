@@ -83,9 +83,18 @@ def test_deleting_runs_deletes_their_tasks(tx: psycopg.Connection[Any]) -> None:
     assert rows == [(kept,)]
 
 
-def test_a_truncate_of_the_runs_truncates_their_tasks(tx: psycopg.Connection[Any]) -> None:
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "TRUNCATE workflow_runs CASCADE",  # the history refers to the runs
+        "TRUNCATE workflow_runs, workflow_tasks, workflow_events",
+    ],
+)
+def test_a_truncate_of_the_runs_empties_their_tasks(
+    tx: psycopg.Connection[Any], statement: str
+) -> None:
     insert_claimed_run(tx)
-    tx.execute("TRUNCATE workflow_runs CASCADE")  # the history refers to the runs
+    tx.execute(statement)
     assert tx.execute("SELECT count(*) FROM workflow_tasks").fetchone() == (0,)
 
 

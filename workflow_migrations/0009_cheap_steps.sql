@@ -18,7 +18,7 @@
 --    Task rows are only ever inserted in the statement that inserts their run. A
 --    deletion of runs (a prune, or a person's DELETE) still deletes their tasks, by a
 --    trigger that runs once per statement and costs a start nothing; a TRUNCATE of
---    the runs truncates the tasks too.
+--    the runs empties the tasks too.
 -- 4. workflow_runs_due, the claim index of 0006, is dropped: the claims of 0008 and
 --    later read workflow_runs_ready instead, and it cost an entry at every insert of a
 --    polled run and at every release. Code older than 0008 still works on this
@@ -44,10 +44,12 @@ BEGIN
 END
 $$;
 
+-- A DELETE, not a TRUNCATE: a TRUNCATE of the runs that names the tasks too would
+-- find them in use by its own statement.
 CREATE OR REPLACE FUNCTION workflow_runs_truncated() RETURNS trigger
 LANGUAGE plpgsql SET search_path FROM CURRENT AS $$
 BEGIN
-    TRUNCATE workflow_tasks;
+    DELETE FROM workflow_tasks;
     RETURN NULL;
 END
 $$;
