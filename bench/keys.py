@@ -42,11 +42,20 @@ from bench.common import REPO, emit, log, scratch_db
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _spent(before: Any, after: Any) -> float:
+    """CPU seconds between two readings of a revision's `_Server`: totals (older
+    revisions) or per-process readings (`bench.common.cpu_spent`'s rule)."""
+    if isinstance(before, float):
+        return float(after - before)
+    return float(sum(t - before.get(pid, 0.0) for pid, t in after.items()))
+
+
 def child(url: str, threads: int, seconds: float) -> None:
-    """One slice of the fast path, with the `workflow` found first on PYTHONPATH."""
+    """One slice of the fast path, with the `workflow` found first on PYTHONPATH (and the
+    bench modules of that revision too, old or new)."""
     import workflow
     from bench.apps import Order, OrderFlow, order_registry
-    from bench.common import cpu_spent, slice_loops
+    from bench.common import slice_loops
     from bench.typed import _Server
 
     mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
@@ -67,7 +76,7 @@ def child(url: str, threads: int, seconds: float) -> None:
     print("SLICE " + json.dumps({
         "runs_per_s": runs / seconds,
         "client_cpu_ms": 1000 * client / per,
-        "server_cpu_ms": 1000 * cpu_spent(cpu0, cpu1) / per,
+        "server_cpu_ms": 1000 * _spent(cpu0, cpu1) / per,
         "wal_bytes": (wal1 - wal0) / per,
         "write_xacts": (xid1 - xid0) / per,
         "code": os.path.dirname(os.path.dirname(workflow.__file__)),
