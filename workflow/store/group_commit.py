@@ -14,9 +14,8 @@ server refuses, a deadlock) is followed by the same writes made again one by one
 each by its own caller's thread and told that an earlier try may have landed (so it
 first looks for what that try did): one bad row cannot fail another caller, a write
 whose reply was lost is not taken for one that never happened, and no caller waits
-behind another's retries. Nothing returns to a caller before its
-write has committed: a run never moves to its next task on an output that is not
-durable.
+behind another's retries. Nothing returns to a caller before its write has
+committed: a run never moves to its next task on an output that is not durable.
 """
 
 from __future__ import annotations
