@@ -8,8 +8,6 @@ ALTER TABLE workflow_tasks ADD CONSTRAINT workflow_tasks_run_id_fkey
 CREATE INDEX IF NOT EXISTS workflow_runs_due
     ON workflow_runs (next_retry_at, created_at, id)
     WHERE claim_id IS NULL AND finished_at IS NULL;
-ALTER TABLE workflow_tasks RESET (fillfactor);
-ALTER TABLE workflow_runs RESET (fillfactor);
 CREATE INDEX IF NOT EXISTS workflow_runs_claimed
     ON workflow_runs (heartbeat_at) WHERE claim_id IS NOT NULL;
 DROP INDEX IF EXISTS workflow_runs_claims;
