@@ -34,11 +34,10 @@ from workflow.store import (
     ClaimedRun,
     Store,
     TaskRow,
-    bool_array,
+    array_literal,
     current_database,
     in_transaction,
     slot_race,
-    text_array,
 )
 
 
@@ -53,8 +52,8 @@ class _Shape:
         self.key = definition.concurrency_key
         self.limit = definition.limit
         self.skips = any(step.skip is not None for step in steps)
-        self.names = text_array([step.task.name for step in steps])
-        self.no_skips = bool_array([False] * len(steps))
+        self.names = array_literal([step.task.name for step in steps])
+        self.no_skips = array_literal([False] * len(steps))
         self.tasks = self.snapshot([False] * len(steps))
 
     def snapshot(self, skipped: list[bool]) -> tuple[TaskRow, ...]:
@@ -208,7 +207,7 @@ class Starter:
         if shape.skips:
             skipped = [bool(step.skip(input)) if step.skip else False for step in steps]
             current = next((i + 1 for i, s in enumerate(skipped) if not s), len(steps) + 1)
-            skipped_literal = bool_array(skipped)
+            skipped_literal = array_literal(skipped)
         else:
             skipped, current, skipped_literal = None, 1, shape.no_skips
         all_skipped = current > len(steps)

@@ -73,7 +73,6 @@ __all__ = [
     "TaskRow",
     "WorkflowStats",
     "array_literal",
-    "bool_array",
     "check_schema",
     "current_database",
     "in_transaction",
@@ -83,7 +82,6 @@ __all__ = [
     "start_arrays",
     "step_arrays",
     "storable",
-    "text_array",
 ]
 
 CHANNEL = "workflow_runs"
@@ -131,20 +129,10 @@ def _failure(error: str, code: str | None) -> dict[str, str | None]:
     }
 
 
-def text_array(values: Sequence[str]) -> str:
-    """A PostgreSQL text array literal of `values`, sent as one text parameter.
-
-    Cheaper than psycopg's dump of a list on every start; compute it once per list.
-    """
-    quoted = (v.replace("\\", "\\\\").replace('"', '\\"') for v in values)
-    return "{" + ",".join(f'"{v}"' for v in quoted) + "}"
-
-
 def array_literal(values: Sequence[object]) -> str:
     """A PostgreSQL array literal of uuids, integers, booleans, text or None (NULL), sent as
     one text parameter and cast by the statement: far cheaper than psycopg's dump of a
-    list, on the claims and the combined writes that a busy worker sends many times a
-    second."""
+    list, on every start (compute a constant one once), claim and combined write."""
     parts: list[str] = []
     for value in values:
         if value is None:
@@ -157,11 +145,6 @@ def array_literal(values: Sequence[object]) -> str:
             text = str(value).replace("\\", "\\\\").replace('"', '\\"')
             parts.append(f'"{text}"')
     return "{" + ",".join(parts) + "}"
-
-
-def bool_array(flags: Sequence[bool]) -> str:
-    """A PostgreSQL boolean array literal, sent as one text parameter."""
-    return "{" + ",".join("t" if flag else "f" for flag in flags) + "}"
 
 
 def _load_queries() -> dict[str, str]:
@@ -329,7 +312,7 @@ class Store:
         """Insert a run and its tasks; (its id, whether it is claimed under `claim_id`), or
         None when the idempotency key exists.
 
-        `names` and `skipped` are array literals (`text_array`, `bool_array`) of
+        `names` and `skipped` are array literals (`array_literal`) of
         the task snapshot; `claim_id` set means inserted already claimed by the
         caller, except for a keyed run (`concurrency_key`, a digest) whose key has
         no slot free below `concurrency` or has runs waiting: that one is inserted
@@ -430,7 +413,7 @@ class Store:
         what the lost try claimed instead of stranding it.
         """
         params = {
-            "workflows": text_array(workflows),
+            "workflows": array_literal(workflows),
             "limit": limit,
             "claims": array_literal([uuid.uuid4() for _ in range(limit)]),
         }

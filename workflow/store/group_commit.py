@@ -37,6 +37,9 @@ class _Write(Generic[T]):
 
     __slots__ = ("again", "answer", "batch", "error", "latch", "params")
 
+    # Set only when the write queues: the one made at once never waits on a latch.
+    latch: threading.Lock
+
     def __init__(self, params: _Params) -> None:
         self.params = params
         self.answer: T | None = None
@@ -47,8 +50,6 @@ class _Write(Generic[T]):
         # Set when the combined statement it was in failed: its own thread makes it
         # again, alone.
         self.again = False
-        self.latch = threading.Lock()
-        self.latch.acquire()
 
 
 class GroupCommit(Generic[T]):
@@ -102,11 +103,13 @@ class GroupCommit(Generic[T]):
             if lead:
                 self._busy = True
             else:
+                latch = step.latch = threading.Lock()
+                latch.acquire()
                 self._queue.append(step)
         if lead:
             self._flush([step])
         else:
-            step.latch.acquire()
+            latch.acquire()
             if step.batch is not None:
                 self._flush(step.batch)
         if step.again:
@@ -132,6 +135,7 @@ class GroupCommit(Generic[T]):
                 following, self._queue = self._queue, []
                 if not following:
                     self._busy = False
+            # Every write woken here queued, so it has its latch.
             if following:
                 following[0].batch = following
                 following[0].latch.release()
