@@ -154,6 +154,7 @@ class Executor:
         input: Any = NO_INPUT,
         claimed_at: float | None = None,
         follows_key: bool = False,
+        claim: Claim | None = None,
     ) -> None:
         """Run the admitted claimed `run` from its current task until it finishes, parks,
         or must stop, then uncount it.
@@ -161,13 +162,15 @@ class Executor:
         `input` is the decoded input when the caller has it (the fast path);
         `claimed_at` the monotonic time of the claim (default: now); `follows_key`:
         the caller claims the next run of the run's key itself when this ends, so
-        its finish or park wakes no poller for it. Raises nothing
+        its finish or park wakes no poller for it; `claim`: the run's claim, already
+        heartbeated since the run was claimed (`hold()`; default: heartbeated from
+        now). Raises nothing
         of its own (see the module doc for what an unexpected error does), but a
         `SystemExit` or `KeyboardInterrupt` raised by a handler is recorded as a
         failed attempt and then propagates.
         """
-        claim = Claim(run.id, run.claim_id)
-        self.heartbeat.add(claim)
+        if claim is None:
+            claim = self.hold(run)
         execution = _Execution(
             self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
         )
@@ -198,6 +201,13 @@ class Executor:
                 self.on_end(run.id, execution.outcome)
             finally:
                 self.dismiss()
+
+    def hold(self, run: ClaimedRun) -> Claim:
+        """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so a
+        run that waits here for a thread keeps its claim; pass it to `execute()`."""
+        claim = Claim(run.id, run.claim_id)
+        self.heartbeat.add(claim)
+        return claim
 
     def executing_here(self) -> uuid.UUID | None:
         """The run the calling thread executes for this executor (inside a handler), else None."""
