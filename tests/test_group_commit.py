@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 from replyproxy import ReplyProxy
 
-from workflow.store import CHANNEL, Store, array_literal
+from workflow.store import CHANNEL, ClaimedRun, Store, array_literal
 from workflow.store.group_commit import GroupCommit
 
 OUTPUT = '{"ref": "x"}'
@@ -41,23 +41,52 @@ def store(pool: ConnectionPool[Any], logs: tuple[logging.Logger, Records]) -> St
 
 
 class Step:
-    """One run's step as the executor records it, and what `complete_task` answered."""
+    """One run's step as the executor records it, and what `complete_task` answered.
+
+    `asks`: a finishing step that asks for a run of these workflows to go on with
+    (`finish_and_claim`, as a worker thread's is); `claimed` is what it got."""
 
     def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, seq: int = 1,
-                 finishes: bool = False, output: str | None = OUTPUT) -> None:
+                 finishes: bool = False, output: str | None = OUTPUT,
+                 asks: tuple[str, ...] = ()) -> None:
         self.run_id, self.claim_id, self.seq = run_id, claim_id, seq
-        self.finishes, self.output = finishes, output
+        self.finishes, self.output, self.asks = finishes or bool(asks), output, asks
         self.matched: bool | None = None
+        self.claimed: ClaimedRun | None = None
         self.error: BaseException | None = None
 
     def write(self, store: Store) -> None:
         try:
             next_seq = 4 if self.finishes else self.seq + 1
-            self.matched = store.complete_task(
-                self.run_id, self.claim_id, self.seq, self.output, next_seq, self.finishes
-            )
+            if self.asks:
+                self.matched, self.claimed = store.finish_and_claim(
+                    self.run_id, self.claim_id, self.seq, self.output, next_seq, self.asks
+                )
+            else:
+                self.matched = store.complete_task(
+                    self.run_id, self.claim_id, self.seq, self.output, next_seq, self.finishes
+                )
         except BaseException as e:
             self.error = e
+
+
+def insert_waiting_run(db: psycopg.Connection[Any], workflow_name: str = "W") -> uuid.UUID:
+    """A run of `workflow_name` waiting to be claimed (its own commit: created after the
+    ones inserted before it)."""
+    run_id, _ = insert_claimed_run(db, workflow_name=workflow_name)
+    db.execute("UPDATE workflow_runs SET claim_id = NULL, heartbeat_at = NULL, "
+               "status = 'pending' WHERE id = %s", (run_id,))
+    return run_id
+
+
+def claim_of(db: psycopg.Connection[Any], run_id: uuid.UUID) -> tuple[Any, ...]:
+    """(claim id, released claim, the tasks' attempts) of a run."""
+    row = db.execute(
+        "SELECT r.claim_id, r.released_claim, (SELECT sum(attempts) FROM workflow_tasks t "
+        "WHERE t.run_id = r.id) FROM workflow_runs r WHERE r.id = %s", (run_id,),
+    ).fetchone()
+    assert row is not None
+    return tuple(row)
 
 
 def write_combined(store: Store, db_url: str, first: Step, queued: list[Step]) -> None:
@@ -154,6 +183,62 @@ def test_a_stale_claims_step_sharing_a_batch_with_the_live_claims_step_of_its_ru
     assert store.steps.combined == 2
     assert (current.matched, stale.matched) == (True, False)
     assert run_row(db, run_id) == (2, "running", True, [OUTPUT, None, None])
+
+
+def test_finishing_steps_that_ask_for_a_next_run_claim_it_in_the_same_commit(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Worker threads whose runs finish together each get a run of their own to go on
+    with, oldest first, claimed by the statement and commit that wrote their steps; a
+    step that asks nothing gets nothing, and one whose claim is stale is refused but
+    still gets its run (its thread executes it)."""
+    runs = [insert_claimed_run(db) for _ in range(5)]
+    waiting = [insert_waiting_run(db) for _ in range(5)]
+    insert_waiting_run(db, "Other")  # not of the workflows asked for
+    askers = [Step(*runs[1], asks=("W",)), Step(*runs[3], asks=("W",))]
+    stale = Step(runs[4][0], uuid.uuid4(), asks=("W",))
+    plain = Step(*runs[2], finishes=True)
+    write_combined(store, db_url, Step(*runs[0]), [askers[0], plain, askers[1], stale])
+    assert [s.error for s in (*askers, plain, stale)] == [None] * 4
+    assert [s.matched for s in (*askers, plain, stale)] == [True, True, True, False]
+    assert plain.claimed is None
+    got = [s.claimed for s in (*askers, stale)]
+    assert all(run is not None for run in got)
+    assert [run.id for run in got if run is not None] == waiting[:3]
+    for run in got:
+        assert run is not None
+        assert claim_of(db, run.id) == (run.claim_id, None, 0)
+        assert [t.seq for t in run.tasks] == [1, 2, 3]
+    # One commit wrote the steps and the claims.
+    assert len(writers(db, [runs[1][0], runs[3][0], *waiting[:3]])) == 1
+    assert [claim_of(db, run_id)[0] for run_id in waiting[3:]] == [None, None]
+
+
+def test_steps_asking_for_more_runs_than_wait_share_what_there_is(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    runs = [insert_claimed_run(db) for _ in range(4)]
+    waiting = insert_waiting_run(db)
+    askers = [Step(*run, asks=("W",)) for run in runs[1:]]
+    write_combined(store, db_url, Step(*runs[0]), askers)
+    assert [s.matched for s in askers] == [True] * 3
+    claimed = [s.claimed.id for s in askers if s.claimed is not None]
+    assert claimed == [waiting]
+
+
+def test_a_failed_combined_write_that_asked_for_runs_claims_none(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A row the server refuses fails the statement before its commit: the steps are
+    written one by one, and a step written alone claims nothing (the poller claims)."""
+    runs = [insert_claimed_run(db) for _ in range(3)]
+    waiting = [insert_waiting_run(db) for _ in range(2)]
+    askers = [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
+    bad = Step(*insert_claimed_run(db), output="{not json")
+    write_combined(store, db_url, Step(*runs[0]), [*askers, bad])
+    assert isinstance(bad.error, psycopg.errors.InvalidTextRepresentation)
+    assert [(s.matched, s.claimed) for s in askers] == [(True, None)] * 2
+    assert [claim_of(db, run_id) for run_id in waiting] == [(None, None, 0)] * 2
 
 
 def test_a_lone_step_is_written_alone_at_once(store: Store, db: psycopg.Connection[Any]) -> None:
@@ -254,6 +339,29 @@ def test_a_combined_write_whose_reply_is_lost_is_not_taken_for_lost_claims(
     for i, (run_id, _) in enumerate(runs[1:]):
         expected = (4, "succeeded", False) if i % 2 == 0 else (2, "running", True)
         assert run_row(db, run_id)[:3] == expected
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_runs_claimed_by_a_combined_write_whose_reply_is_lost_are_let_go_of(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The combined statement commits its steps and its claims, and its reply is
+    dropped: nobody knows the runs it claimed, so they are released at once (not left
+    for the sweeper, which would count an attempt none of them made), claimable by the
+    next claim; the steps, written again one by one, find themselves done."""
+    store, proxy = proxied_store
+    runs = [insert_claimed_run(db) for _ in range(3)]
+    waiting = [insert_waiting_run(db) for _ in range(3)]
+    askers = [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
+    proxy.drop_reply(COMBINED)
+    write_combined(store, db_url, Step(*runs[0]), askers)
+    assert proxy.dropped == 1
+    assert [(s.error, s.matched, s.claimed) for s in askers] == [(None, True, None)] * 2
+    released = [claim_of(db, run_id) for run_id in waiting[:2]]
+    assert all(claim is None and gone is not None and attempts == 0
+               for claim, gone, attempts in released), released
+    assert claim_of(db, waiting[2]) == (None, None, 0)
+    assert [run.id for run in store.claim_runs(["W"], 5)] == waiting
 
 
 # --- starts --------------------------------------------------------------------------

@@ -118,3 +118,16 @@ def test_the_deletion_trigger_finds_the_tasks_whatever_the_search_path(
     tx.execute("SET LOCAL search_path = elsewhere, public")
     tx.execute("DELETE FROM public.workflow_runs WHERE id = %s", (gone,))
     assert tx.execute("SELECT count(*) FROM public.workflow_tasks").fetchone() == (0,)
+
+
+def _claim_part(sql: str) -> str:
+    """A claim statement's CTEs from `pick` to the end of `claimed`, its claim ids named alike."""
+    begin = sql.index("pick AS (")
+    end = sql.index("r.tracestate, r.concurrency_key\n)", begin)
+    return sql[begin:end].replace("%(new_claims)s", "%(claims)s")
+
+
+def test_the_claim_inside_the_combined_step_is_claim_runs_own() -> None:
+    """A worker thread's next run claimed with its finish (`complete_tasks`) is chosen and
+    claimed by the very text of the poller's claim: the same order, filters and fences."""
+    assert _claim_part(_Q["complete_tasks"]) == _claim_part(_Q["claim_runs"])

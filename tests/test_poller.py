@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 import psycopg
-from helpers import Inp, Out, poll, registry
+from helpers import Inp, Out, poll, registry, wait_until
 
 import workflow
 from workflow import Status
@@ -136,114 +136,52 @@ def test_a_wake_polls_at_once_whatever_the_poll_interval(
         runnable.stop(timeout=10)
 
 
-
-B = workflow.Task("b", Out)
-C = workflow.Task("c", Out)
-BLOCK = 1.2
-"""Seconds each of a blocking run's three tasks takes: together past sweep_max_age."""
-
-
-def _run_row(db: psycopg.Connection[Any], run: workflow.Run) -> tuple[Any, ...]:
-    row = db.execute(
-        "SELECT r.status, r.claim_id, r.released_claim, max(t.attempts) FROM workflow_runs r"
-        " JOIN workflow_tasks t ON t.run_id = r.id WHERE r.id = %s"
-        " GROUP BY r.status, r.claim_id, r.released_claim",
-        (run.id,),
-    ).fetchone()
-    assert row is not None
-    return tuple(row)
-
-
-class _Blocking:
-    """Each task of a run with input n >= 1000 takes BLOCK seconds (less when cancelled);
-    other runs' tasks take `pause`."""
-
-    def __init__(self, pause: float) -> None:
-        self.entered = threading.Event()
-        self.pause = pause
-
-    def __call__(self, run: workflow.TaskRun[Inp]) -> Out:
-        if run.input.n >= 1000:
-            self.entered.set()
-            run.cancelled.wait(BLOCK)
-        else:
-            time.sleep(self.pause)
-        return Out("x")
-
-
-def _claimed_ahead_setup(
-    make_manager: Any, db: psycopg.Connection[Any], pause: float
-) -> tuple[workflow.Runnable, workflow.Run, workflow.Run]:
-    """One thread, a batch of 2, sweep_max_age 3 s: runs whose tasks take `pause` end
-    first, then a run whose three tasks take BLOCK seconds each holds the only thread,
-    and another run is started behind it."""
-    handler = _Blocking(pause)
-    reg, wf = registry(workflow.handle(A, handler), workflow.handle(B, handler),
-                       workflow.handle(C, handler))
-    mgr = make_manager(
-        reg, workflow.Config(sweep_max_age=3, default_task_timeout=2, max_in_process_backoff=0.1)
-    )
-    runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=0.2, batch_size=2, concurrency=1, sweep_interval=0.5)
-    )
-    runnable.start()
-    all_succeed(db, start_each_in_its_own_transaction(db, wf, mgr, 4))
-    with db.transaction():
-        blocker = wf.start_tx(db, mgr, Inp(1000))
-    assert handler.entered.wait(10)
-    with db.transaction():
-        waiting = wf.start_tx(db, mgr, Inp(1))
-    return runnable, blocker, waiting
-
-
-def _claimed_ahead(db: psycopg.Connection[Any], run: workflow.Run) -> Any:
-    """The claim the run was claimed ahead under (its tasks not yet attempted)."""
-    poll(db, "SELECT claim_id IS NOT NULL FROM workflow_runs WHERE id = %s", (run.id,),
-         timeout=10, what="the run to be claimed ahead")
-    status, claim, _, attempts = _run_row(db, run)
-    assert (status, attempts) == ("running", 0)
-    return claim
-
-
-def test_a_run_claimed_ahead_keeps_its_claim_while_it_waits_for_a_thread(
-    make_manager: Any, db: psycopg.Connection[Any]
+def test_runs_finishing_together_claim_their_threads_next_runs_in_the_same_commit(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:
-    # Executions are quick, so the poller claims a run more than it has threads for.
-    # That run waits 3.6 s for the only thread, past sweep_max_age, with a sweep every
-    # 0.5 s: its claim is heartbeated from the claim on, so it is never swept, and it
-    # runs once, under the claim it was claimed ahead with.
-    runnable, blocker, waiting = _claimed_ahead_setup(make_manager, db, 0.0)
-    try:
-        claim = _claimed_ahead(db, waiting)
-        all_succeed(db, [blocker, waiting])
-    finally:
-        runnable.stop(timeout=10)
-    # Attempts count failed and swept attempts: a sweep would have made it 1.
-    assert _run_row(db, waiting) == ("succeeded", None, claim, 0)
+    """Three worker executions finish at once (the first one's step held in flight by a
+    row lock, the other two queued behind it): the two whose finishing steps share a
+    statement each come back with a run to go on with, the oldest waiting, claimed in
+    that commit, heartbeated and counted; the one written alone comes back with none.
+    Executed, the runs they got finish like any other."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 6)
+    store, executor = mgr._store, mgr._executor
+    first, *others = store.claim_runs(["W"], 3)
+    got: dict[Any, Any] = {}
 
+    def execute(run: Any) -> None:
+        executor.admit()
+        got[run.id] = executor.execute(run, claim_next=("W",))
 
-def test_a_drain_releases_a_run_claimed_ahead_without_attempting_it(
-    make_manager: Any, db: psycopg.Connection[Any]
-) -> None:
-    runnable, _blocker, waiting = _claimed_ahead_setup(make_manager, db, 0.0)
-    try:
-        claim = _claimed_ahead(db, waiting)
-        assert runnable.stop(timeout=10)
-        # Let go of by its own claim (not swept: no attempt counted), never attempted.
-        assert _run_row(db, waiting)[1:] == (None, claim, 0)
-    finally:
-        runnable.stop(timeout=10)
-
-
-def test_nothing_is_claimed_ahead_while_executions_are_slow(
-    make_manager: Any, db: psycopg.Connection[Any]
-) -> None:
-    # Executions of 0.3 s (three tasks of 0.1 s: past AHEAD_HORIZON): a run started
-    # behind the busy thread stays unclaimed, for any other worker to take.
-    runnable, blocker, waiting = _claimed_ahead_setup(make_manager, db, 0.1)
-    try:
-        time.sleep(1.0)
-        assert _run_row(db, waiting)[1] is None
-        all_succeed(db, [blocker, waiting])
-    finally:
-        runnable.stop(timeout=10)
+    threads = [threading.Thread(target=execute, args=(run,)) for run in (first, *others)]
+    with psycopg.connect(db_url) as blocker:
+        blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (first.id,))
+        threads[0].start()
+        wait_until(lambda: store.steps.busy, "the first step in flight")
+        for thread in threads[1:]:
+            thread.start()
+        wait_until(lambda: store.steps.queued == 2, "the other two steps queued")
+        blocker.rollback()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    assert got[first.id] is None
+    following = [got[run.id] for run in others]
+    assert sorted(str(run.id) for run, _ in following) == sorted(str(r.id) for r in runs[3:5])
+    held = {claim.claim_id for claim in executor.heartbeat.claims()}
+    assert {claim.claim_id for _, claim in following} == held
+    assert all(run.claim_id == claim.claim_id for run, claim in following)
+    # The finishing steps and the claims: one commit.
+    xmins = db.execute(
+        "SELECT DISTINCT xmin::text FROM workflow_runs WHERE id = ANY(%s)",
+        ([run.id for run in others] + [run.id for run, _ in following],),
+    ).fetchall()
+    assert len(xmins) == 1
+    for run, claim in following:
+        assert executor.execute(run, claim=claim) is None
+    assert not executor.heartbeat.claims()
+    all_succeed(db, runs[:5])
+    assert db.execute("SELECT claim_id FROM workflow_runs WHERE id = %s",
+                      (runs[5].id,)).fetchone() == (None,)

@@ -12,7 +12,10 @@ Transactions per run: the insert (already claimed on the fast path), then one pe
 finished task, which records the output and moves the run on (the last one also
 finishes it). A 3-task run on the fast path costs 4 transactions. A failed
 attempt costs one more (it records the failure and parks or schedules the retry
-in the same statement); a shutdown or a long backoff costs one release.
+in the same statement); a shutdown or a long backoff costs one release. Steps
+of runs finishing tasks at the same moment share one (group commit); on a
+worker, the step that finishes a run also claims, in that commit, the next run
+its thread executes (`claim_next`).
 
 An attempt that ran is always counted: whatever the engine fails to record
 after it (the database refusing a write, a bug), the attempt is recorded as
@@ -30,7 +33,7 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, NoReturn
 
 import attrs
@@ -155,7 +158,8 @@ class Executor:
         claimed_at: float | None = None,
         follows_key: bool = False,
         claim: Claim | None = None,
-    ) -> None:
+        claim_next: Sequence[str] = (),
+    ) -> tuple[ClaimedRun, Claim] | None:
         """Run the admitted claimed `run` from its current task until it finishes, parks,
         or must stop, then uncount it.
 
@@ -164,7 +168,9 @@ class Executor:
         the caller claims the next run of the run's key itself when this ends, so
         its finish or park wakes no poller for it; `claim`: the run's claim, already
         heartbeated since the run was claimed (`hold()`; default: heartbeated from
-        now). Raises nothing
+        now); `claim_next`: the workflows of which the run's finish may claim a run for
+        the caller to execute next, in the same commit (`Store.finish_and_claim`).
+        Returns that run, admitted and held, or None. Raises nothing
         of its own (see the module doc for what an unexpected error does), but a
         `SystemExit` or `KeyboardInterrupt` raised by a handler is recorded as a
         failed attempt and then propagates.
@@ -175,6 +181,7 @@ class Executor:
             self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
         )
         execution.wake_key = not follows_key
+        execution.claim_next = claim_next
         outer = getattr(_executing, "current", None)
         _executing.current = (self, run.id)
         try:
@@ -201,10 +208,11 @@ class Executor:
                 self.on_end(run.id, execution.outcome)
             finally:
                 self.dismiss()
+        return execution.following
 
     def hold(self, run: ClaimedRun) -> Claim:
-        """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so a
-        run that waits here for a thread keeps its claim; pass it to `execute()`."""
+        """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so it
+        is kept until its execution begins; pass it to `execute()`."""
         claim = Claim(run.id, run.claim_id)
         self.heartbeat.add(claim)
         return claim
@@ -275,6 +283,8 @@ class _Execution:
         self.outcome: Status | None = None
         self.unrecorded: _Ran | None = None
         self.wake_key = True  # a keyed run's finish or park wakes the pollers
+        self.claim_next: Sequence[str] = ()  # the workflows its finish may claim a run of
+        self.following: tuple[ClaimedRun, Claim] | None = None  # the run its finish claimed
         self._log: EngineLog | None = None
 
     @property
@@ -469,10 +479,20 @@ class _Execution:
         finishes = next_seq > len(self.tasks)
         if finishes:
             self.claim.leave()
-        if not executor.store.complete_task(
-            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
-            wake_key=self.wake_key,
-        ):
+        if finishes and self.claim_next and not executor.draining.is_set():
+            matched, following = executor.store.finish_and_claim(
+                self.run_row.id, self.run_row.claim_id, seq, document, next_seq,
+                self.claim_next, wake_key=self.wake_key,
+            )
+            if following is not None:  # the caller executes it next, lost claim or not
+                executor.admit()
+                self.following = (following, executor.hold(following))
+        else:
+            matched = executor.store.complete_task(
+                self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
+                wake_key=self.wake_key,
+            )
+        if not matched:
             self.lost()
         self.unrecorded = None
         if document is not None:

@@ -5,21 +5,23 @@ earliest run of its workflows falls due when that is sooner (a delayed start,
 a retry waiting out its backoff); a wake-up (a notification, a local start)
 cuts the sleep short.
 
-While its executions are quick (see `AHEAD_HORIZON`) it claims ahead: up to
-`batch_size` runs more than it has threads for wait here, their claims
-heartbeated from the claim on (a drain lets them go unattempted). A thread that
-ends an execution takes its next run at once instead of after a claim's round
-trip, and claims are larger, so fewer transactions a run.
+A thread whose run finishes asks for its next run in the same breath: when the
+finishing step is written together with others' (group commit), that statement
+also claims a run for each thread that asked, in the same commit
+(`Store.finish_and_claim`), and the thread executes it at once. Under load a
+worker's run so costs one share of a transaction for its finish and the next
+claim together, and no thread waits for a claim's round trip between runs; a
+step written alone claims nothing, and this loop claims as before.
 
 A claim is one statement (`FOR UPDATE SKIP LOCKED`, so pollers in many processes
 never claim the same run) that also returns each run's task snapshot. It claims
 only runs of workflows registered here, at most `batch_size` at a time and never
-more than the room left (`concurrency`, plus what it may claim ahead). With
-keyed workflows registered (SPEC 15) a round has a second statement, which gives
-free slots of keys to their oldest waiting runs and claims those; the two take
-turns going first, so neither kind of run waits behind a backlog of the other.
-When an execution of a keyed run ends here, the thread that ran it claims its
-key's next run (one index probe) and runs it in the same room.
+more than the free share of `concurrency`. With keyed workflows registered
+(SPEC 15) a round has a second statement, which gives free slots of keys to
+their oldest waiting runs and claims those; the two take turns going first, so
+neither kind of run waits behind a backlog of the other. When an execution of a
+keyed run ends here, the thread that ran it claims its key's next run (one
+index probe) and runs it in the same room.
 """
 
 from __future__ import annotations
@@ -39,16 +41,6 @@ DUE_REREAD = 1.0
 here (a wake-up from outside always reads it)."""
 OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
-AHEAD_HORIZON = 0.05
-"""While this poller's executions take less than this many seconds on average, it
-claims runs ahead: up to `batch_size` more than it has threads for (never more than
-`concurrency`), which wait here for a thread (their claims heartbeated from the
-claim on). A thread that ends an execution so takes its next run at once, without
-waiting for a claim's round trip, and claims grow larger (fewer transactions a run).
-A run claimed ahead waits about one execution's time, so another worker never finds
-it held here for long; with slower executions nothing is claimed ahead."""
-TOOK_WEIGHT = 0.2
-"""The weight of the latest execution in the running average of their durations."""
 KEY_WALK_SHARE = 0.1
 """The most of a poller's time its claims of keys' waiting runs may take: each reads
 up to a window of keys with runs waiting, so after one that took t seconds (and
@@ -81,8 +73,7 @@ class Poller(Service):
         self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
         self._walk_pause = 0.0  # the pause after the last one (it grows while they find none)
         self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
-        self._running = 0  # this poller's runs executing or waiting for a thread
-        self._took = float("inf")  # the running average of an execution's seconds (none yet)
+        self._running = 0  # this poller's executions in flight, against `concurrency`
         self._lock = threading.Lock()
         # The earliest due time known (monotonic; None: no run waits), and whether it
         # must be read again: after a wake-up from outside (a start, a notification,
@@ -112,7 +103,7 @@ class Poller(Service):
         executor = self._executor
         failures = 0
         while not self._stopping.is_set():
-            free = self._settings.concurrency + self._ahead() - self._running
+            free = self._settings.concurrency - self._running
             if free <= 0 or executor.draining.is_set():
                 self._sleep(self._settings.poll_interval)
                 continue
@@ -132,12 +123,6 @@ class Poller(Service):
                 if self._keyed:  # wake up when the keys may be read again
                     nap = min(nap, max(self._walk_after - time.monotonic(), 0.005))
                 self._sleep(nap)
-
-    def _ahead(self) -> int:
-        """How many runs may wait here for a thread (see `AHEAD_HORIZON`)."""
-        if self._took >= AHEAD_HORIZON:
-            return 0
-        return min(self._settings.batch_size, self._settings.concurrency)
 
     def _claim(self, limit: int) -> tuple[list[ClaimedRun], bool]:
         """Claim up to `limit` runs: ready ones, and keyed runs given a free slot of their
@@ -207,35 +192,34 @@ class Poller(Service):
         with self._lock:
             self._running += 1
         executor.admit()
-        claim = executor.hold(run)  # it may wait for a thread: heartbeated from now
         try:
-            self._threads.submit(self._execute, (run, claim))
+            self._threads.submit(self._execute, run)
         except RuntimeError:  # stop() gave up joining us and shut the threads down
-            executor.heartbeat.remove(claim)
             executor.dismiss()
             with self._lock:
                 self._running -= 1
             executor.store.release_claim(run.id, run.claim_id)
 
-    def _execute(self, handed: tuple[ClaimedRun, Claim]) -> None:
-        following: ClaimedRun | None = handed[0]
-        claim: Claim | None = handed[1]
-        took = 0.0
+    def _execute(self, run: ClaimedRun) -> None:
         try:
+            following: ClaimedRun | None = run
+            claim: Claim | None = None  # held already: a run its predecessor's finish claimed
             while following is not None:
                 keyed = following.concurrency_key is not None
-                began = time.monotonic()
-                self._executor.execute(following, follows_key=keyed, claim=claim)
-                took = time.monotonic() - began
-                claim = None  # a key's next run is heartbeated from its execution on
+                # An unkeyed run's finish, written with others', claims this thread's next
+                # run in the same commit; a keyed one's thread claims its key's next.
+                ride = () if keyed or self._stopping.is_set() else self._workflows
+                claimed = self._executor.execute(
+                    following, follows_key=keyed, claim=claim, claim_next=ride
+                )
+                if claimed is not None:
+                    following, claim = claimed
+                    continue
+                claim = None
                 following = self._next_of_key(following)
         finally:
             with self._lock:
                 self._running -= 1
-                if self._took == float("inf"):
-                    self._took = took
-                else:
-                    self._took += (took - self._took) * TOOK_WEIGHT
             self._due_changed_here = True  # it may have left its run for a later retry
             self._wake.set()  # room to claim again
 

@@ -194,9 +194,38 @@ def _task_filter(task: str | None, code: str | AnyCode | None) -> dict[str, Any]
     return {"task": task, "match_code": matching, "code": code if matching else None}
 
 
-def step_arrays(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _step(
+    run_id: uuid.UUID,
+    claim_id: uuid.UUID,
+    seq: int,
+    output: str | None,
+    next_seq: int,
+    finishes: bool,
+    wake_key: bool,
+    claim_from: tuple[str, ...],
+) -> dict[str, Any]:
+    """One step's parameters (`claim_from`: the workflows to claim a next run of, or ())."""
+    return {
+        "id": run_id,
+        "claim_id": claim_id,
+        "seq": seq,
+        "output": output,
+        "next_seq": next_seq,
+        "finishes": finishes,
+        "wake_key": wake_key,
+        "channel": CHANNEL,
+        "claim_from": claim_from,
+    }
+
+
+def step_arrays(
+    steps: Sequence[dict[str, Any]],
+    claim_from: Sequence[str] = (),
+    new_claims: Sequence[uuid.UUID] = (),
+) -> dict[str, Any]:
     """The parameters of `complete_tasks` for several `complete_task` parameter sets, in
-    run id order (so that the rows are locked in that order)."""
+    run id order (so that the rows are locked in that order), claiming as many runs of
+    `claim_from` as `new_claims` gives claim ids (none by default)."""
     ordered = sorted(steps, key=lambda p: p["id"])
     return {
         "ids": array_literal([p["id"] for p in ordered]),
@@ -207,6 +236,9 @@ def step_arrays(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "finishes": array_literal([p["finishes"] for p in ordered]),
         "wake_keys": array_literal([p["wake_key"] for p in ordered]),
         "channel": CHANNEL,
+        "workflows": array_literal(claim_from),
+        "limit": len(new_claims),
+        "new_claims": array_literal(new_claims),
     }
 
 
@@ -255,7 +287,7 @@ class Store:
             clock=clock,
         )
         self._run = self.connections.run
-        log = EngineLog(logger or logging.getLogger("workflow"))
+        log = self._log = EngineLog(logger or logging.getLogger("workflow"))
         self.steps = GroupCommit(self._complete_alone, self._complete_together, log,
                                  "task steps")
         """How task steps are written: alone, or together with other runs' (group commit)."""
@@ -505,33 +537,80 @@ class Store:
         Steps that other threads record at the same moment share one statement and
         one commit (`GroupCommit`); this one returns once it has committed."""
         return self.steps.write(
-            {
-                "id": run_id,
-                "claim_id": claim_id,
-                "seq": seq,
-                "output": output,
-                "next_seq": next_seq,
-                "finishes": finishes,
-                "wake_key": wake_key,
-                "channel": CHANNEL,
-            }
+            _step(run_id, claim_id, seq, output, next_seq, finishes, wake_key, ())
+        )[0]
+
+    def finish_and_claim(
+        self,
+        run_id: uuid.UUID,
+        claim_id: uuid.UUID,
+        seq: int,
+        output: str | None,
+        next_seq: int,
+        workflows: Sequence[str],
+        *,
+        wake_key: bool = True,
+    ) -> tuple[bool, ClaimedRun | None]:
+        """`complete_task` for a run's last task (it finishes), and, when the step goes
+        in one statement with others (group commit), a claim of the longest due
+        claimable run of `workflows` made in the same commit, for the caller to execute
+        next (a worker thread going on with another run without a claim of its own).
+        (whether the claim matched, the run claimed or None). A step written alone
+        claims nothing: the poller claims as it would."""
+        return self.steps.write(
+            _step(run_id, claim_id, seq, output, next_seq, True, wake_key, tuple(workflows))
         )
 
-    def _complete_alone(self, params: dict[str, Any], may_have_landed: bool) -> bool:
+    def _complete_alone(
+        self, params: dict[str, Any], may_have_landed: bool
+    ) -> tuple[bool, ClaimedRun | None]:
         rows = self._run(
             "complete_task",
             params,
             "released",  # a retry whose earlier try let go of the claim finds it here
             may_have_landed=may_have_landed,
         )
-        return bool(rows)
+        return bool(rows), None
 
-    def _complete_together(self, batch: list[dict[str, Any]]) -> list[bool]:
+    def _complete_together(
+        self, batch: list[dict[str, Any]]
+    ) -> list[tuple[bool, ClaimedRun | None]]:
         # One try only: on any failure GroupCommit writes the steps alone, each
-        # looking first for what this try may have done.
-        rows = self.connections.once("complete_tasks", step_arrays(batch))
-        matched = {(row[0], row[1]) for row in rows}
-        return [(params["id"], params["claim_id"]) in matched for params in batch]
+        # looking first for what this try may have done. What the try claimed for the
+        # steps asking for a next run is let go of first (it may have committed).
+        # Every poller of a manager claims for the same workflows, so the steps asking
+        # name one set; should two sets meet, the first one's are served.
+        claim_from: tuple[str, ...] = next(
+            (p["claim_from"] for p in batch if p["claim_from"]), ()
+        )
+        takers = [i for i, p in enumerate(batch) if claim_from and p["claim_from"] == claim_from]
+        new_claims = [uuid.uuid4() for _ in takers]
+        try:
+            rows = self.connections.once(
+                "complete_tasks", step_arrays(batch, claim_from, new_claims)
+            )
+            matched = {(row[1], row[3]) for row in rows if row[0]}
+            runs = claimed_runs([row[1:] for row in rows if not row[0]])
+        except Exception:
+            if new_claims:
+                self._let_go(new_claims)
+            raise
+        answers: list[tuple[bool, ClaimedRun | None]] = [
+            ((params["id"], params["claim_id"]) in matched, None) for params in batch
+        ]
+        for i, run in zip(takers, runs, strict=False):
+            answers[i] = (answers[i][0], run)
+        return answers
+
+    def _let_go(self, claims: list[uuid.UUID]) -> None:
+        """Release the runs held by `claims` (made by a combined write that failed)."""
+        try:
+            self._run("release_claims", {"claims": array_literal(claims), "channel": CHANNEL})
+        except Exception:
+            self._log.exception(
+                "letting go of the runs a failed combined step write may have claimed "
+                "failed: the sweeper will release them"
+            )
 
     def fail_task(
         self,

@@ -412,10 +412,18 @@ RETURNING t.seq, run.woke;
 
 -- name: complete_tasks
 -- complete_task for several runs in one statement and one commit (group commit), each step fenced by its own
--- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
--- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
--- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
--- and the caller then writes the steps one by one.
+-- claim as complete_task's is; and, in the same commit, a claim of up to `limit` claimable runs of
+-- `workflows` as claim_runs makes it, under the caller's claim ids (for worker threads whose runs finish
+-- here and which go on with another run; `limit` 0: none). Rows: the claimed runs first, as claim_runs
+-- returns them, behind a false `step` column; then, behind a true one, each step that matched: its run in
+-- the id column, its claim in the claim column (and in the workflow column its wake-up, which the
+-- statement must read to make). No other step matched (two steps of one run, a live
+-- claim's and a stale one's, can share a batch). The caller passes the steps in id order, which the plans
+-- keep, so the rows are locked in that order; a deadlock that still happens fails the statement, and the
+-- caller then writes the steps one by one (and lets go of whatever a try that failed after its commit
+-- claimed: release_claims). A run that finishes here is not claimable (finished), and a run still claimed
+-- is not either, so no run is both stepped and claimed. The claim is claim_runs' text (a test keeps the
+-- two alike).
 WITH step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
@@ -438,12 +446,54 @@ WITH step AS (
                                       AND w.concurrency_key = r.concurrency_key
                                       AND w.finished_at IS NULL AND w.key_slot IS NULL)
                    THEN pg_notify(%(channel)s, r.workflow) END AS woke
+), done AS (
+    UPDATE workflow_tasks t
+    SET output = run.output::jsonb, finished_at = now()
+    FROM run
+    WHERE t.run_id = run.id AND t.seq = run.seq
+    RETURNING t.run_id, run.claim_id, run.woke
+), pick AS (
+    SELECT id, created_at, next_retry_at FROM workflow_runs
+    WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+      AND workflow = ANY(%(workflows)s::text[])
+    ORDER BY next_retry_at, created_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), numbered AS (
+    SELECT id, row_number() OVER (ORDER BY next_retry_at, created_at, id) AS n FROM pick
+), claimed AS (
+    UPDATE workflow_runs r
+    SET claim_id = (%(new_claims)s::uuid[])[numbered.n], heartbeat_at = now(), status = 'running',
+        released_claim = NULL
+    FROM numbered WHERE r.id = numbered.id
+    RETURNING r.id, r.workflow, r.claim_id, r.input, r.input_sealed, r.context,
+              r.context_sealed, r.current_seq, r.created_at, r.sealed_for,
+              r.next_retry_at, r.traceparent, r.tracestate, r.concurrency_key
 )
-UPDATE workflow_tasks t
-SET output = run.output::jsonb, finished_at = now()
-FROM run
-WHERE t.run_id = run.id AND t.seq = run.seq
-RETURNING t.run_id, run.claim_id, run.woke;
+(SELECT false, c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
+        c.current_seq, now(), c.sealed_for,
+        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
+        c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+        t.output IS NOT NULL, t.output, t.failed_at
+ FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
+ ORDER BY c.created_at, c.id, t.seq)
+UNION ALL
+SELECT true, d.run_id, d.woke::text, d.claim_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM done d;
+
+
+-- name: release_claims
+-- Let go of the runs these claims hold, unattempted and claimable at once, and wake the pollers: what a
+-- combined step write that failed, perhaps after its commit, may have claimed (safe to repeat).
+WITH run AS (
+    UPDATE workflow_runs
+    SET claim_id = NULL, heartbeat_at = NULL, released_claim = claim_id
+    WHERE claim_id = ANY(%(claims)s::uuid[])
+    RETURNING workflow
+)
+SELECT pg_notify(%(channel)s, workflow) FROM (SELECT DISTINCT workflow FROM run) AS woken;
 
 -- name: fail_task
 -- Record a failed attempt, and its history row: retry after `delay` seconds, under the claim or released for a poller (fenced).
