@@ -127,7 +127,18 @@ def _claim_part(sql: str) -> str:
     return sql[begin:end].replace("%(new_claims)s", "%(claims)s")
 
 
-def test_the_claim_inside_the_combined_step_is_claim_runs_own() -> None:
-    """A worker thread's next run claimed with its finish (`complete_tasks`) is chosen and
-    claimed by the very text of the poller's claim: the same order, filters and fences."""
-    assert _claim_part(_Q["complete_tasks"]) == _claim_part(_Q["claim_runs"])
+def _step_part(sql: str) -> str:
+    """A combined step statement from `step` to the tasks' update, spaced alike (the
+    claiming one names that update `done`)."""
+    begin = sql.index("WITH step AS (")
+    end = sql.index("WHERE t.run_id = run.id AND t.seq = run.seq", begin)
+    return " ".join(sql[begin:end].split()).replace("), done AS (", ")")
+
+
+def test_the_claiming_combined_step_is_complete_tasks_and_claim_runs_own() -> None:
+    """A worker thread's next run claimed with its finish (`complete_tasks_claiming`) is
+    chosen and claimed by the very text of the poller's claim (the same order, filters
+    and fences), and the steps are written by the very text of `complete_tasks`."""
+    claiming = _Q["complete_tasks_claiming"]
+    assert _claim_part(claiming) == _claim_part(_Q["claim_runs"])
+    assert _step_part(claiming) == _step_part(_Q["complete_tasks"])

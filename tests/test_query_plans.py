@@ -209,6 +209,21 @@ def test_a_combined_step_finds_its_runs_by_id_or_claim(plan_db: psycopg.Connecti
     _assert_no_seq_scan(scans)
 
 
+def test_a_combined_step_that_claims_reads_the_ready_index(
+    plan_db: psycopg.Connection[Any],
+) -> None:
+    """A worker's finishing steps claiming their threads' next runs: the steps found by id
+    or claim, the claim through the ready index, as the poller's."""
+    steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
+              "next_seq": 2, "finishes": True, "wake_key": True, "channel": "workflow_runs"}
+             for _ in range(8)]
+    params = step_arrays(steps, ["Transfer.Send"], _claims(8))
+    scans = _scans(_plan(plan_db, "complete_tasks_claiming", params))
+    assert _uses_index(scans, "workflow_runs_ready"), scans
+    assert _uses_index(scans, "workflow_tasks_pkey"), scans
+    _assert_no_seq_scan(scans)
+
+
 @pytest.mark.parametrize("statement", ["claimed_runs", "heartbeat"])
 def test_finding_runs_by_claim_reads_only_the_claimed_runs(
     plan_db: psycopg.Connection[Any], statement: str

@@ -224,8 +224,9 @@ def step_arrays(
     new_claims: Sequence[uuid.UUID] = (),
 ) -> dict[str, Any]:
     """The parameters of `complete_tasks` for several `complete_task` parameter sets, in
-    run id order (so that the rows are locked in that order), claiming as many runs of
-    `claim_from` as `new_claims` gives claim ids (none by default)."""
+    run id order (so that the rows are locked in that order); with `claim_from` and
+    `new_claims`, of `complete_tasks_claiming`, claiming as many runs of `claim_from`
+    as `new_claims` gives claim ids."""
     ordered = sorted(steps, key=lambda p: p["id"])
     return {
         "ids": array_literal([p["id"] for p in ordered]),
@@ -585,15 +586,18 @@ class Store:
         )
         takers = [i for i, p in enumerate(batch) if claim_from and p["claim_from"] == claim_from]
         new_claims = [uuid.uuid4() for _ in takers]
+        if not takers:
+            rows = self.connections.once("complete_tasks", step_arrays(batch))
+            matched = {(row[0], row[1]) for row in rows}
+            return [((p["id"], p["claim_id"]) in matched, None) for p in batch]
         try:
             rows = self.connections.once(
-                "complete_tasks", step_arrays(batch, claim_from, new_claims)
+                "complete_tasks_claiming", step_arrays(batch, claim_from, new_claims)
             )
             matched = {(row[1], row[3]) for row in rows if row[0]}
             runs = claimed_runs([row[1:] for row in rows if not row[0]])
         except Exception:
-            if new_claims:
-                self._let_go(new_claims)
+            self._let_go(new_claims)
             raise
         answers: list[tuple[bool, ClaimedRun | None]] = [
             ((params["id"], params["claim_id"]) in matched, None) for params in batch

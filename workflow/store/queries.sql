@@ -412,18 +412,51 @@ RETURNING t.seq, run.woke;
 
 -- name: complete_tasks
 -- complete_task for several runs in one statement and one commit (group commit), each step fenced by its own
--- claim as complete_task's is; and, in the same commit, a claim of up to `limit` claimable runs of
--- `workflows` as claim_runs makes it, under the caller's claim ids (for worker threads whose runs finish
--- here and which go on with another run; `limit` 0: none). Rows: the claimed runs first, as claim_runs
--- returns them, behind a false `step` column; then, behind a true one, each step that matched: its run in
--- the id column, its claim in the claim column (and in the workflow column its wake-up, which the
--- statement must read to make). No other step matched (two steps of one run, a live
--- claim's and a stale one's, can share a batch). The caller passes the steps in id order, which the plans
--- keep, so the rows are locked in that order; a deadlock that still happens fails the statement, and the
--- caller then writes the steps one by one (and lets go of whatever a try that failed after its commit
--- claimed: release_claims). A run that finishes here is not claimable (finished), and a run still claimed
--- is not either, so no run is both stepped and claimed. The claim is claim_runs' text (a test keeps the
--- two alike).
+-- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
+-- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
+-- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
+-- and the caller then writes the steps one by one.
+WITH step AS (
+    SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
+                         %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
+        AS s (id, claim_id, seq, output, next_seq, finishes, wake_key)
+), run AS (
+    UPDATE workflow_runs r
+    SET current_seq = s.next_seq,
+        status = CASE WHEN s.finishes THEN 'succeeded' ELSE r.status END,
+        finished_at = CASE WHEN s.finishes THEN now() END,
+        claim_id = CASE WHEN s.finishes THEN NULL ELSE r.claim_id END,
+        heartbeat_at = CASE WHEN s.finishes THEN NULL ELSE now() END,
+        released_claim = CASE WHEN s.finishes THEN r.claim_id END,
+        key_slot = CASE WHEN s.finishes THEN NULL ELSE r.key_slot END
+    FROM step s
+    WHERE r.id = s.id AND r.claim_id = s.claim_id
+    RETURNING r.id, s.claim_id, s.seq, s.output,
+              CASE WHEN s.finishes AND s.wake_key AND r.concurrency_key IS NOT NULL
+                        AND EXISTS (SELECT FROM workflow_runs w
+                                    WHERE w.workflow = r.workflow
+                                      AND w.concurrency_key = r.concurrency_key
+                                      AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                   THEN pg_notify(%(channel)s, r.workflow) END AS woke
+)
+UPDATE workflow_tasks t
+SET output = run.output::jsonb, finished_at = now()
+FROM run
+WHERE t.run_id = run.id AND t.seq = run.seq
+RETURNING t.run_id, run.claim_id, run.woke;
+
+
+-- name: complete_tasks_claiming
+-- complete_tasks, and in the same statement and commit a claim of up to `limit` claimable runs of
+-- `workflows`, as claim_runs makes it, under the caller's claim ids `new_claims`: for worker threads whose
+-- runs finish here and which go on with another run (a statement apart from complete_tasks, whose steps
+-- alone would otherwise pay for the claim's nodes, ~0.1 ms a statement). Rows: the claimed runs first, as
+-- claim_runs returns them, behind a false `step` column; then, behind a true one, each step that matched:
+-- its run in the id column, its claim in the claim column (and in the workflow column its wake-up, which
+-- the statement must read to make). A run that finishes here is not claimable (finished), nor is a run
+-- still claimed, so no run is both stepped and claimed. A caller whose statement failed, perhaps after its
+-- commit, writes the steps one by one and lets go of what it may have claimed (release_claims). The steps
+-- are complete_tasks' text and the claim claim_runs' (tests keep them alike).
 WITH step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
