@@ -456,7 +456,10 @@ RETURNING t.run_id, run.claim_id, run.woke;
 -- the statement must read to make). A run that finishes here is not claimable (finished), nor is a run
 -- still claimed, so no run is both stepped and claimed. A caller whose statement failed, perhaps after its
 -- commit, writes the steps one by one and lets go of what it may have claimed (release_claims). The steps
--- are complete_tasks' text and the claim claim_runs' (tests keep them alike).
+-- are complete_tasks' text and the claim claim_runs' (tests keep them alike). The claim's branch comes
+-- first in the UNION ALL, and PostgreSQL runs the branches in order: the claimed runs' rows come out run by
+-- run, as claimed_runs needs them, and the claim is taken on a fresh snapshot before the steps wait for
+-- their row locks. Keep that order.
 WITH step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
