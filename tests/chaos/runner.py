@@ -432,6 +432,14 @@ def run_chaos(plan: Plan, *, say: Any = print, keep_logs: bool = False) -> Resul
                     break
                 time.sleep(0.25)
             say(f"chaos: drained={result.drained}; stopping the workers")
+            # A worker spawned to replace a killed one may still be importing: a SIGTERM
+            # then meets Python's default action (exit -15), not the worker's drain, which
+            # begins with its handlers installed, before it logs STARTED.
+            ready_by = time.monotonic() + 60
+            for w in workers:
+                while (w.proc.poll() is None and STARTED not in w.text()
+                       and time.monotonic() < ready_by):
+                    time.sleep(0.1)
             for w in workers:
                 if w.proc.poll() is None:
                     conn.execute(
