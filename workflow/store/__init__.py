@@ -228,7 +228,7 @@ def step_arrays(
     `new_claims`, of `complete_tasks_claiming`, claiming as many runs of `claim_from`
     as `new_claims` gives claim ids."""
     ordered = sorted(steps, key=lambda p: p["id"])
-    return {
+    params: dict[str, Any] = {
         "ids": array_literal([p["id"] for p in ordered]),
         "claims": array_literal([p["claim_id"] for p in ordered]),
         "seqs": array_literal([p["seq"] for p in ordered]),
@@ -237,10 +237,11 @@ def step_arrays(
         "finishes": array_literal([p["finishes"] for p in ordered]),
         "wake_keys": array_literal([p["wake_key"] for p in ordered]),
         "channel": CHANNEL,
-        "workflows": array_literal(claim_from),
-        "limit": len(new_claims),
-        "new_claims": array_literal(new_claims),
     }
+    if new_claims:  # the fast path's batches never claim: no parameters to build for it
+        params.update(workflows=array_literal(claim_from), limit=len(new_claims),
+                      new_claims=array_literal(new_claims))
+    return params
 
 
 def start_arrays(starts: Sequence[dict[str, Any]]) -> dict[str, Any]:
