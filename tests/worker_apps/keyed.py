@@ -1,9 +1,13 @@
 """A keyed workflow (SPEC 15) whose handler stamps its entry and exit in `key_ledger`.
 
-`Keyed.Transfer` takes `Move(account, n, hold)`: one task that records its entry
+`Keyed.Transfer` takes `Move(account, n, hold, gate)`: one task that records its entry
 (database clock, `clock_timestamp()`), sleeps `hold` seconds on its first attempt
 (0.02 s on later ones), and records its exit; so a test can check from the ledger
 alone that no two runs of a key overlapped and that a key's runs went in order.
+
+With `gate` set, a first attempt also stays inside until `gate` runs of the same `n`
+have entered (or `GATE_TIMEOUT` has passed): a test of keys going on side by side
+then does not depend on how fast this machine starts runs.
 """
 
 from __future__ import annotations
@@ -35,6 +39,10 @@ class Move:
     account: str
     n: int
     hold: float = 0.05
+    gate: int = 0
+
+
+GATE_TIMEOUT = 60.0
 
 
 @attrs.frozen
@@ -54,6 +62,8 @@ def _move(run: workflow.TaskRun[Move]) -> Moved:
             (run.run_id, move.account, move.n, run.attempt, os.getpid()),
         )
     time.sleep(move.hold if run.attempt == 1 else 0.02)
+    if move.gate and run.attempt == 1:
+        _wait_for_gate(move)
     with _connections().connection() as conn:
         conn.execute(
             "UPDATE key_ledger SET left_at = clock_timestamp() "
@@ -61,6 +71,18 @@ def _move(run: workflow.TaskRun[Move]) -> Moved:
             (run.run_id, run.attempt),
         )
     return Moved(move.n)
+
+
+def _wait_for_gate(move: Move) -> None:
+    # A connection for each look, not held while waiting: the pool has four, and twenty
+    # runs of a worker may wait here at once.
+    deadline = time.monotonic() + GATE_TIMEOUT
+    while time.monotonic() < deadline:
+        with _connections().connection() as conn:
+            row = conn.execute("SELECT count(*) FROM key_ledger WHERE n = %s", (move.n,)).fetchone()
+        if row is not None and row[0] >= move.gate:
+            return
+        time.sleep(0.02)
 
 
 def registry(concurrency: int = 1) -> workflow.Registry:
