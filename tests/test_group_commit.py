@@ -364,6 +364,106 @@ def test_runs_claimed_by_a_combined_write_whose_reply_is_lost_are_let_go_of(
     assert [run.id for run in store.claim_runs(["W"], 5)] == waiting
 
 
+def waiting_on_a_lock(db: psycopg.Connection[Any], text: str) -> bool:
+    """Whether a statement whose text (its first kilobyte) has `text` waits on a lock now."""
+    row = db.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+        "AND wait_event_type = 'Lock' AND query LIKE %s",
+        (f"%{text}%",),
+    ).fetchone()
+    return row is not None and row[0] > 0
+
+
+def waiting_on_locks(db: psycopg.Connection[Any]) -> int:
+    """How many statements wait on a lock now."""
+    row = db.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                     "AND wait_event_type = 'Lock'"
+                     ).fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+UNNESTED = "SELECT * FROM unnest("  # complete_tasks(_claiming) and insert_runs, not alone writes
+
+
+def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
+                      db: psycopg.Connection[Any], db_url: str, hold: tuple[str, tuple[Any, ...]],
+                      block: tuple[str, tuple[Any, ...]], first: Any, queued: list[Any]) -> None:
+    """`first` held in flight by `hold`, `queued` queued behind it, then their combined
+    statement made to wait by `block` (another transaction's lock); its connection cut
+    while the server still runs it; then `block` let go, so the server commits it after
+    its writer has given up on it. Returns when every write has returned."""
+    threads = [threading.Thread(target=write.write, args=(store,)) for write in (first, *queued)]
+    with psycopg.connect(db_url) as holder, psycopg.connect(db_url) as blocker:
+        holder.execute(*hold)
+        threads[0].start()
+        wait_until(lambda: group.busy, "the first write in flight")
+        for thread in threads[1:]:
+            thread.start()
+        wait_until(lambda: group.queued == len(queued), "the other writes queued")
+        blocker.execute(*block)
+        holder.rollback()
+        wait_until(lambda: waiting_on_a_lock(db, UNNESTED), "the combined write on a lock")
+        proxy.cut_all()
+        # The writers go on: something of theirs waits on a lock too (a write made alone
+        # on the blocker's or the combined write's, or a wait for the combined write).
+        wait_until(lambda: waiting_on_locks(db) >= 2, "the writers going on to wait")
+        blocker.rollback()
+    for thread in threads:
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+
+
+def lock_run(run_id: uuid.UUID) -> tuple[str, tuple[Any, ...]]:
+    return "SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,)
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_steps_of_a_combined_write_still_running_when_its_connection_is_lost_are_found(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The connection of a combined write is lost while the server still runs it (it
+    waits on a row lock another transaction holds), and the server commits it after its
+    writer has given up on it. The steps made again one by one wait for it to end and
+    find themselves done: no caller takes its own committed step for a lost claim (and
+    stops executing a run that still holds its claim)."""
+    store, proxy = proxied_store
+    runs = [insert_claimed_run(db) for _ in range(4)]
+    first = Step(*runs[0])
+    queued = [Step(*runs[1], finishes=True), Step(*runs[2]), Step(*runs[3], finishes=True)]
+    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
+                      lock_run(runs[3][0]), first, queued)
+    assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * 4
+    for step in (first, *queued):
+        finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
+        assert run_row(db, step.run_id)[:3] == finished
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_runs_claimed_by_a_combined_write_still_running_when_its_connection_is_lost_are_let_go_of(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """As above, with finishing steps that ask for runs: what the combined write claimed
+    is let go of once it has committed, not looked for before and missed, so the runs
+    are neither stranded until the sweeper nor charged an attempt none of them made."""
+    store, proxy = proxied_store
+    runs = [insert_claimed_run(db) for _ in range(3)]
+    waiting = [insert_waiting_run(db) for _ in range(3)]
+    first, askers = Step(*runs[0]), [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
+    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
+                      lock_run(runs[2][0]), first, askers)
+    assert [(s.error, s.matched, s.claimed) for s in askers] == [(None, True, None)] * 2
+
+    def let_go() -> bool:
+        return all(claim is None and gone is not None
+                   for claim, gone, _ in (claim_of(db, run_id) for run_id in waiting[:2]))
+
+    wait_until(let_go, "the runs the lost write claimed let go of")
+    assert [claim_of(db, run_id)[2] for run_id in waiting] == [0, 0, 0]
+    assert claim_of(db, waiting[2]) == (None, None, 0)
+    assert [run.id for run in store.claim_runs(["W"], 5)] == waiting
+
+
 # --- starts --------------------------------------------------------------------------
 
 
@@ -475,6 +575,32 @@ def test_a_combined_start_whose_reply_is_lost_recognises_its_runs(
     ]
     row = db.execute("SELECT count(*), count(DISTINCT id) FROM workflow_runs").fetchone()
     assert row == (4, 4), "each run inserted once"
+
+
+def hold_id(run_id: uuid.UUID) -> tuple[str, tuple[Any, ...]]:
+    """A row with `run_id`, inserted and not committed: an insert of that id waits on it."""
+    return ("INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq) "
+            "VALUES (%s, 'W', 'pending', '{}'::jsonb, 3, 1)", (run_id,))
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_a_combined_start_still_running_when_its_connection_is_lost_recognises_its_runs(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The connection of a combined start is lost while the server still runs it (one of
+    its ids waits on another transaction's insert), and the server commits it later: the
+    starts made again one by one wait for it to end and recognise their runs, rather
+    than insert them again and fail on their own ids."""
+    store, proxy = proxied_store
+    first, queued = Start(), [Start(), Start(claimed=False)]
+    cut_while_running(store, store.starts, proxy, db, db_url, hold_id(first.run_id),
+                      hold_id(queued[1].run_id), first, queued)
+    assert [s.error for s in (first, *queued)] == [None] * 3
+    assert [s.answer for s in (first, *queued)] == [
+        (s.run_id, s.claim_id is not None) for s in (first, *queued)
+    ]
+    row = db.execute("SELECT count(*), count(DISTINCT id) FROM workflow_runs").fetchone()
+    assert row == (3, 3), "each run inserted once"
 
 
 # --- the arrays sent as literals -----------------------------------------------------

@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import os
+import random
 import re
 import time
 import uuid
@@ -28,7 +29,7 @@ from psycopg_pool import ConnectionPool
 
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
-from workflow.store.connections import Connections, Rows
+from workflow.store.connections import Connections, Rows, connection_lost
 from workflow.store.group_commit import GroupCommit
 from workflow.store.migrate import (
     SCHEMA_VERSION,
@@ -237,6 +238,7 @@ def step_arrays(
         "finishes": array_literal([p["finishes"] for p in ordered]),
         "wake_keys": array_literal([p["wake_key"] for p in ordered]),
         "channel": CHANNEL,
+        "fence": new_fence(),
     }
     if new_claims:  # the fast path's batches never claim: no parameters to build for it
         params.update(workflows=array_literal(claim_from), limit=len(new_claims),
@@ -256,7 +258,14 @@ def start_arrays(starts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         values = [p[column] for p in starts]
         arrays[column] = values if any(v is not None for v in values) else None
     arrays["channel"] = CHANNEL
+    arrays["fence"] = new_fence()
     return arrays
+
+
+def new_fence() -> int:
+    """A random key of an advisory lock that a combined write holds for its transaction,
+    so that its caller can wait it out after a lost connection (`Store._outlast`)."""
+    return random.getrandbits(63)
 
 
 def _execute(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> Rows:
@@ -410,7 +419,12 @@ class Store:
         return (rows[0][0], bool(rows[0][2])) if rows else None
 
     def _insert_together(self, batch: list[dict[str, Any]]) -> list[tuple[uuid.UUID, bool] | None]:
-        rows = self.connections.once("insert_runs", start_arrays(batch))
+        params = start_arrays(batch)
+        try:
+            rows = self.connections.once("insert_runs", params)
+        except Exception as e:
+            self._outlast(params["fence"], e)
+            raise
         inserted = {row[0]: bool(row[2]) for row in rows}
         if len(inserted) != len(batch):
             # Only a clash of random ids could do this: let each insert go alone.
@@ -578,27 +592,28 @@ class Store:
         self, batch: list[dict[str, Any]]
     ) -> list[tuple[bool, ClaimedRun | None]]:
         # One try only: on any failure GroupCommit writes the steps alone, each
-        # looking first for what this try may have done. What the try claimed for the
-        # steps asking for a next run is let go of first (it may have committed).
-        # Every poller of a manager claims for the same workflows, so the steps asking
-        # name one set; should two sets meet, the first one's are served.
+        # looking first for what this try may have done, once this try has ended
+        # (`_outlast`). What the try claimed for the steps asking for a next run is let
+        # go of first (it may have committed). Every poller of a manager claims for the
+        # same workflows, so the steps asking name one set; should two sets meet, the
+        # first one's are served.
         claim_from: tuple[str, ...] = next(
             (p["claim_from"] for p in batch if p["claim_from"]), ()
         )
         takers = [i for i, p in enumerate(batch) if claim_from and p["claim_from"] == claim_from]
         new_claims = [uuid.uuid4() for _ in takers]
-        if not takers:
-            rows = self.connections.once("complete_tasks", step_arrays(batch))
-            matched = {(row[0], row[1]) for row in rows}
-            return [((p["id"], p["claim_id"]) in matched, None) for p in batch]
+        params = step_arrays(batch, claim_from, new_claims)
         try:
-            rows = self.connections.once(
-                "complete_tasks_claiming", step_arrays(batch, claim_from, new_claims)
-            )
+            if not takers:
+                rows = self.connections.once("complete_tasks", params)
+                matched = {(row[0], row[1]) for row in rows}
+                return [((p["id"], p["claim_id"]) in matched, None) for p in batch]
+            rows = self.connections.once("complete_tasks_claiming", params)
             matched = {(row[1], row[3]) for row in rows if row[0]}
             runs = claimed_runs([row[1:] for row in rows if not row[0]])
-        except Exception:
-            self._let_go(new_claims)
+        except Exception as e:
+            if self._outlast(params["fence"], e) and new_claims:
+                self.let_go(new_claims)
             raise
         answers: list[tuple[bool, ClaimedRun | None]] = [
             ((params["id"], params["claim_id"]) in matched, None) for params in batch
@@ -607,14 +622,35 @@ class Store:
             answers[i] = (answers[i][0], run)
         return answers
 
-    def _let_go(self, claims: list[uuid.UUID]) -> None:
-        """Release the runs held by `claims` (made by a combined write that failed)."""
+    def _outlast(self, fence: int, error: Exception) -> bool:
+        """After a combined write holding advisory lock `fence` failed with `error`: when the
+        connection was lost, wait until the server has ended that write's transaction
+        (it may still be running it, on a row lock say, and commit later), so that
+        what is done next (the writes one by one, each first looking for what this
+        one did; a release of what it claimed) sees all it did. False when that could
+        not be made sure of (the database stayed unreachable): nothing found then is
+        taken as final. A statement the server answered with an error has ended."""
+        if not connection_lost(error):
+            return True
+        try:
+            self._run("outlast", {"fence": fence})
+        except Exception:
+            self._log.exception(
+                "waiting for a combined write whose connection was lost to end failed; "
+                "its writes are made again one by one"
+            )
+            return False
+        return True
+
+    def let_go(self, claims: list[uuid.UUID]) -> None:
+        """Release the runs held by `claims`, unattempted: claims nobody will execute (made by
+        a combined write that failed, or taken for a thread an interrupt ended). A
+        failure is logged, not raised: the sweeper releases them later."""
         try:
             self._run("release_claims", {"claims": array_literal(claims), "channel": CHANNEL})
         except Exception:
             self._log.exception(
-                "letting go of the runs a failed combined step write may have claimed "
-                "failed: the sweeper will release them"
+                "letting go of runs claimed for nobody failed: the sweeper will release them"
             )
 
     def fail_task(

@@ -16,6 +16,14 @@ first looks for what that try did): one bad row cannot fail another caller, a wr
 whose reply was lost is not taken for one that never happened, and no caller waits
 behind another's retries. Nothing returns to a caller before its write has
 committed: a run never moves to its next task on an output that is not durable.
+
+A combined statement whose connection was lost may still be running on the server
+(waiting on a row lock, say) and commit after its writer gave up on it. So before
+the writes are made again, `combined` itself waits it out: the store's combined
+statements hold an advisory lock of their own for their transaction, and the store
+waits for that lock (and, for steps that claimed runs, lets go of those) before it
+raises. While the database is unreachable that wait rides out the lost connection
+as any statement does, and the writes one by one start after it.
 """
 
 from __future__ import annotations

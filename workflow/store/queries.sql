@@ -50,8 +50,11 @@ FROM run;
 -- name: insert_runs
 -- insert_run for several runs with neither an idempotency key nor a concurrency key, in one statement and one
 -- commit (group commit of the fast path's starts), in the order given; per run its id, the wake-up, and whether
--- it is claimed. `names` and `skipped` hold each run's task snapshot as an array literal.
-WITH given AS (
+-- it is claimed. `names` and `skipped` hold each run's task snapshot as an array literal. `fence`: as in
+-- complete_tasks.
+WITH fence AS (
+    SELECT pg_advisory_xact_lock(%(fence)s) AS held
+), given AS (
     SELECT * FROM unnest(%(id)s::uuid[], %(workflow)s::text[], %(status)s::text[], %(input)s::text[],
                          %(input_sealed)s::bytea[], %(context)s::text[], %(context_sealed)s::bytea[],
                          %(task_count)s::smallint[], %(current_seq)s::smallint[], %(claim_id)s::uuid[],
@@ -61,6 +64,7 @@ WITH given AS (
         WITH ORDINALITY AS g (id, workflow, status, input, input_sealed, context, context_sealed,
                               task_count, current_seq, claim_id, names, skipped, wake, traceparent,
                               tracestate, run_at, delay, n)
+    WHERE (SELECT held FROM fence) IS NOT NULL
 ), run AS (
     INSERT INTO workflow_runs (id, workflow, status, input, input_sealed, context, context_sealed,
                                task_count, current_seq, claim_id, heartbeat_at, finished_at,
@@ -415,11 +419,16 @@ RETURNING t.seq, run.woke;
 -- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
 -- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
 -- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
--- and the caller then writes the steps one by one.
-WITH step AS (
+-- and the caller then writes the steps one by one. Before anything else the statement takes the advisory
+-- lock `fence` (a random key of the caller's) for its transaction: a caller that lost the connection while
+-- the server may still run the statement waits it out (outlast) before it writes or looks again.
+WITH fence AS (
+    SELECT pg_advisory_xact_lock(%(fence)s) AS held
+), step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
         AS s (id, claim_id, seq, output, next_seq, finishes, wake_key)
+    WHERE (SELECT held FROM fence) IS NOT NULL
 ), run AS (
     UPDATE workflow_runs r
     SET current_seq = s.next_seq,
@@ -455,15 +464,19 @@ RETURNING t.run_id, run.claim_id, run.woke;
 -- its run in the id column, its claim in the claim column (and in the workflow column its wake-up, which
 -- the statement must read to make). A run that finishes here is not claimable (finished), nor is a run
 -- still claimed, so no run is both stepped and claimed. A caller whose statement failed, perhaps after its
--- commit, writes the steps one by one and lets go of what it may have claimed (release_claims). The steps
--- are complete_tasks' text and the claim claim_runs' (tests keep them alike). The claim's branch comes
--- first in the UNION ALL, and PostgreSQL runs the branches in order: the claimed runs' rows come out run by
--- run, as claimed_runs needs them, and the claim is taken on a fresh snapshot before the steps wait for
--- their row locks. Keep that order.
-WITH step AS (
+-- commit, waits it out (outlast: the statement takes `fence` before it claims, as complete_tasks does),
+-- writes the steps one by one and lets go of what it may have claimed (release_claims). The steps are
+-- complete_tasks' text and the claim claim_runs' but for the fence (tests keep them alike). The claim's
+-- branch comes first in the UNION ALL, and PostgreSQL runs the branches in order: the claimed runs' rows
+-- come out run by run, as claimed_runs needs them, and the claim is taken on a fresh snapshot before the
+-- steps wait for their row locks. Keep that order.
+WITH fence AS (
+    SELECT pg_advisory_xact_lock(%(fence)s) AS held
+), step AS (
     SELECT * FROM unnest(%(ids)s::uuid[], %(claims)s::uuid[], %(seqs)s::smallint[], %(outputs)s::text[],
                          %(next_seqs)s::smallint[], %(finishes)s::boolean[], %(wake_keys)s::boolean[])
         AS s (id, claim_id, seq, output, next_seq, finishes, wake_key)
+    WHERE (SELECT held FROM fence) IS NOT NULL
 ), run AS (
     UPDATE workflow_runs r
     SET current_seq = s.next_seq,
@@ -493,6 +506,7 @@ WITH step AS (
     WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
       AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
       AND workflow = ANY(%(workflows)s::text[])
+      AND (SELECT held FROM fence) IS NOT NULL
     ORDER BY next_retry_at, created_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -520,9 +534,17 @@ SELECT true, d.run_id, d.woke::text, d.claim_id, NULL, NULL, NULL, NULL, NULL, N
 FROM done d;
 
 
+-- name: outlast
+-- Wait until no transaction holds the advisory lock `fence`: one a combined write took (complete_tasks,
+-- complete_tasks_claiming, insert_runs) and whose connection was lost has ended, committed or not, so that
+-- looking for what it did finds all of it (safe to repeat).
+SELECT pg_advisory_xact_lock(%(fence)s);
+
+
 -- name: release_claims
 -- Let go of the runs these claims hold, unattempted and claimable at once, and wake the pollers: what a
--- combined step write that failed, perhaps after its commit, may have claimed (safe to repeat).
+-- combined step write that failed, perhaps after its commit, may have claimed, or a run claimed for a thread
+-- that an interrupt ended (safe to repeat).
 WITH run AS (
     UPDATE workflow_runs
     SET claim_id = NULL, heartbeat_at = NULL, released_claim = claim_id
