@@ -197,6 +197,13 @@ class Executor:
             pass
         except Exception as e:
             execution.engine_failed(e)
+        except BaseException:
+            # An interrupt goes on up, and nobody will execute the run this one's
+            # finish claimed: let go of it now, not at the sweep with an attempt charged.
+            if execution.following is not None:
+                self._let_go(*execution.following)
+                execution.following = None
+            raise
         finally:
             _executing.current = outer
             self.heartbeat.remove(claim)
@@ -209,6 +216,14 @@ class Executor:
             finally:
                 self.dismiss()
         return execution.following
+
+    def _let_go(self, run: ClaimedRun, claim: Claim) -> None:
+        """Release `run`, admitted and held (`hold()`) but never to be executed here."""
+        self.heartbeat.remove(claim)
+        try:
+            self.store.let_go([run.claim_id])
+        finally:
+            self.dismiss()
 
     def hold(self, run: ClaimedRun) -> Claim:
         """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so it
