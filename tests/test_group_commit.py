@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from psycopg_pool import ConnectionPool
 from replyproxy import ReplyProxy
 
+import workflow.store
 from workflow.store import CHANNEL, ClaimedRun, Store, array_literal
 from workflow.store.group_commit import GroupCommit
 
@@ -364,21 +365,15 @@ def test_runs_claimed_by_a_combined_write_whose_reply_is_lost_are_let_go_of(
     assert [run.id for run in store.claim_runs(["W"], 5)] == waiting
 
 
-def waiting_on_a_lock(db: psycopg.Connection[Any], text: str) -> bool:
-    """Whether a statement whose text (its first kilobyte) has `text` waits on a lock now."""
+def statements(db: psycopg.Connection[Any], text: str = "", *, waiting: bool = False) -> int:
+    """How many statements of this database (but `db`'s own) whose text (its first
+    kilobyte) has `text` run now; `waiting`: only those waiting on a lock."""
     row = db.execute(
         "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-        "AND wait_event_type = 'Lock' AND query LIKE %s",
-        (f"%{text}%",),
+        "AND pid <> pg_backend_pid() AND state = 'active' AND query LIKE %s "
+        "AND (NOT %s OR wait_event_type = 'Lock')",
+        (f"%{text}%", waiting),
     ).fetchone()
-    return row is not None and row[0] > 0
-
-
-def waiting_on_locks(db: psycopg.Connection[Any]) -> int:
-    """How many statements wait on a lock now."""
-    row = db.execute("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                     "AND wait_event_type = 'Lock'"
-                     ).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -388,11 +383,18 @@ UNNESTED = "SELECT * FROM unnest("  # complete_tasks(_claiming) and insert_runs,
 
 def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
                       db: psycopg.Connection[Any], db_url: str, hold: tuple[str, tuple[Any, ...]],
-                      block: tuple[str, tuple[Any, ...]], first: Any, queued: list[Any]) -> None:
+                      block: tuple[str, tuple[Any, ...]], first: Any, queued: list[Any],
+                      *, block_for_good: bool = False) -> None:
     """`first` held in flight by `hold`, `queued` queued behind it, then their combined
     statement made to wait by `block` (another transaction's lock); its connection cut
     while the server still runs it; then `block` let go, so the server commits it after
-    its writer has given up on it. Returns when every write has returned."""
+    its writer has given up on it. Returns when every write has returned.
+
+    `block_for_good`: `block` is let go of only once the combined statement has gone
+    from the server (its writer must end it: the blocker is an idle transaction that
+    would hold on for ever)."""
+    row = db.execute("SHOW client_connection_check_interval").fetchone()
+    assert row == ("0",), "the server must go on running a statement whose client is gone"
     threads = [threading.Thread(target=write.write, args=(store,)) for write in (first, *queued)]
     with psycopg.connect(db_url) as holder, psycopg.connect(db_url) as blocker:
         holder.execute(*hold)
@@ -403,11 +405,14 @@ def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
         wait_until(lambda: group.queued == len(queued), "the other writes queued")
         blocker.execute(*block)
         holder.rollback()
-        wait_until(lambda: waiting_on_a_lock(db, UNNESTED), "the combined write on a lock")
+        wait_until(lambda: statements(db, UNNESTED, waiting=True) > 0,
+                   "the combined write on a lock")
         proxy.cut_all()
         # The writers go on: something of theirs waits on a lock too (a write made alone
         # on the blocker's or the combined write's, or a wait for the combined write).
-        wait_until(lambda: waiting_on_locks(db) >= 2, "the writers going on to wait")
+        wait_until(lambda: statements(db, waiting=True) >= 2, "the writers going on to wait")
+        if block_for_good:
+            wait_until(lambda: statements(db, UNNESTED) == 0, "the combined write ended")
         blocker.rollback()
     for thread in threads:
         thread.join(timeout=30)
@@ -434,6 +439,27 @@ def test_steps_of_a_combined_write_still_running_when_its_connection_is_lost_are
     cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
                       lock_run(runs[3][0]), first, queued)
     assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * 4
+    for step in (first, *queued):
+        finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
+        assert run_row(db, step.run_id)[:3] == finished
+
+
+@pytest.mark.direct(reason="the proxy stands where PgBouncer would")
+def test_a_combined_write_whose_connection_is_lost_is_ended_when_it_waits_too_long(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The combined write whose connection was lost waits on a lock that an idle
+    transaction holds for good: after `OUTLAST_PATIENCE` its backend is terminated (its
+    transaction rolled back) rather than every later step of the process waiting behind
+    it, and the steps are made again one by one."""
+    monkeypatch.setattr(workflow.store, "OUTLAST_PATIENCE", 0.3)
+    store, proxy = proxied_store
+    runs = [insert_claimed_run(db) for _ in range(3)]
+    first, queued = Step(*runs[0]), [Step(*runs[1], finishes=True), Step(*runs[2])]
+    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
+                      lock_run(runs[2][0]), first, queued, block_for_good=True)
+    assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * 3
     for step in (first, *queued):
         finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
         assert run_row(db, step.run_id)[:3] == finished
@@ -601,6 +627,36 @@ def test_a_combined_start_still_running_when_its_connection_is_lost_recognises_i
     ]
     row = db.execute("SELECT count(*), count(DISTINCT id) FROM workflow_runs").fetchone()
     assert row == (3, 3), "each run inserted once"
+
+
+def test_a_start_whose_earlier_try_committed_unseen_recognises_its_run(
+    store: Store, db: psycopg.Connection[Any]
+) -> None:
+    """A start made again after its earlier try committed without its caller seeing it
+    (that try's connection was lost while the server still ran it, so the lookup of
+    the retry came too soon) meets its own id: it answers with that run, not with the
+    primary key's violation."""
+    start = Start()
+    start.write(store)
+    assert start.error is None
+    start.answer = None
+    start.write(store)  # the same id, claim and snapshot: what a retry sends
+    assert (start.error, start.answer) == (None, (start.run_id, True))
+    row = db.execute("SELECT count(*) FROM workflow_runs").fetchone()
+    assert row == (1,)
+
+
+def test_a_finishing_step_whose_earlier_try_committed_unseen_is_not_a_lost_claim(
+    store: Store, db: psycopg.Connection[Any]
+) -> None:
+    """A run's last step made again after its earlier try finished the run unseen: the
+    claim is gone, let go of by this very claim, so the step is recognised as written;
+    a step under a claim some other write took from it is still refused."""
+    run_id, claim_id = insert_claimed_run(db)
+    assert store.complete_task(run_id, claim_id, 3, OUTPUT, 4, True)
+    assert store.complete_task(run_id, claim_id, 3, OUTPUT, 4, True)
+    other, _ = insert_claimed_run(db)
+    assert not store.complete_task(other, uuid.uuid4(), 3, OUTPUT, 4, True)
 
 
 # --- the arrays sent as literals -----------------------------------------------------

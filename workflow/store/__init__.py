@@ -25,7 +25,7 @@ import attrs
 import psycopg
 from psycopg import pq
 from psycopg.rows import tuple_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
@@ -96,6 +96,13 @@ KEY_VISITS = 64
 
 KEY_SLOTS = "workflow_runs_key_slots"
 """The unique index of the slots keyed runs hold: a violation of it is a race for a slot."""
+
+OUTLAST_PATIENCE = 5.0
+"""Seconds a combined write whose connection was lost may go on running on the server
+before its backend is terminated (`Store._outlast`)."""
+
+RUNS_PRIMARY_KEY = "workflow_runs_pkey"
+"""The primary key of the runs: an insert that violates it met an earlier try of its own."""
 
 ERROR_CHARS = 4000
 """The most characters of an error text stored (the rest is cut, marked "(truncated)")."""
@@ -400,7 +407,7 @@ class Store:
         if conn is None and idempotency_key is None and concurrency_key is None:
             return self.starts.write(params)
         if conn is None:
-            rows = self._run(name, params, "inserted_run")
+            rows = self._insert_or_find(name, params, False)
         else:
             try:
                 rows = _execute(conn, name, params)
@@ -415,8 +422,23 @@ class Store:
     def _insert_alone(
         self, params: dict[str, Any], may_have_landed: bool
     ) -> tuple[uuid.UUID, bool] | None:
-        rows = self._run("insert_run", params, "inserted_run", may_have_landed=may_have_landed)
+        rows = self._insert_or_find("insert_run", params, may_have_landed)
         return (rows[0][0], bool(rows[0][2])) if rows else None
+
+    def _insert_or_find(self, name: str, params: dict[str, Any], may_have_landed: bool) -> Rows:
+        """Insert statement `name`, riding out lost connections; when the insert finds its
+        own id taken, the run an earlier try inserted (the id is random: only an earlier
+        try of this start has it), committed after this one looked for it (a try whose
+        connection was lost while the server still ran it)."""
+        try:
+            return self._run(name, params, "inserted_run", may_have_landed=may_have_landed)
+        except psycopg.errors.UniqueViolation as e:
+            if e.diag.constraint_name != RUNS_PRIMARY_KEY:
+                raise
+            found = self._run("inserted_run", params)
+            if not found:
+                raise
+            return found
 
     def _insert_together(self, batch: list[dict[str, Any]]) -> list[tuple[uuid.UUID, bool] | None]:
         params = start_arrays(batch)
@@ -586,6 +608,11 @@ class Store:
             "released",  # a retry whose earlier try let go of the claim finds it here
             may_have_landed=may_have_landed,
         )
+        if not rows and params["finishes"]:
+            # The claim is gone: maybe by an earlier try of this very step, committed
+            # after the retry looked for it (its connection was lost while the server
+            # still ran it). A claim truly lost was not let go of by this claim.
+            rows = self._run("released", params)
         return bool(rows), None
 
     def _complete_together(
@@ -612,7 +639,12 @@ class Store:
             matched = {(row[1], row[3]) for row in rows if row[0]}
             runs = claimed_runs([row[1:] for row in rows if not row[0]])
         except Exception as e:
-            if self._outlast(params["fence"], e) and new_claims:
+            self._outlast(params["fence"], e)
+            if new_claims:
+                self.let_go(new_claims)
+            raise
+        except BaseException:  # an interrupt: what was claimed for nobody goes back
+            if new_claims:
                 self.let_go(new_claims)
             raise
         answers: list[tuple[bool, ClaimedRun | None]] = [
@@ -622,25 +654,38 @@ class Store:
             answers[i] = (answers[i][0], run)
         return answers
 
-    def _outlast(self, fence: int, error: Exception) -> bool:
-        """After a combined write holding advisory lock `fence` failed with `error`: when the
+    def _outlast(self, fence: int, error: Exception) -> None:
+        """After a combined write holding advisory lock `fence` failed with `error`: when its
         connection was lost, wait until the server has ended that write's transaction
         (it may still be running it, on a row lock say, and commit later), so that
         what is done next (the writes one by one, each first looking for what this
-        one did; a release of what it claimed) sees all it did. False when that could
-        not be made sure of (the database stayed unreachable): nothing found then is
-        taken as final. A statement the server answered with an error has ended."""
-        if not connection_lost(error):
-            return True
+        one did; a release of what it claimed) sees all it did.
+
+        A statement the server answered with an error has ended, and one that never
+        got a connection (`PoolTimeout`) never began. A write still running after
+        `OUTLAST_PATIENCE` seconds (waiting on a lock some idle transaction holds)
+        has its backend terminated, its transaction rolled back: nobody waits for its
+        answer. If even that cannot be made sure of, the writes go on regardless:
+        each one alone still recognises an earlier try that committed meanwhile."""
+        if isinstance(error, PoolTimeout) or not connection_lost(error):
+            return
+        patience = {"fence": fence, "patience": f"{round(OUTLAST_PATIENCE * 1000)}ms"}
         try:
-            self._run("outlast", {"fence": fence})
+            try:
+                self._run("outlast", patience)
+                return
+            except psycopg.errors.LockNotAvailable:
+                self._log.warning(
+                    "a combined write whose connection was lost still runs after %gs; "
+                    "terminating its backend", OUTLAST_PATIENCE,
+                )
+            self._run("end_fenced", {"fence": fence})
+            self._run("outlast", patience)
         except Exception:
             self._log.exception(
                 "waiting for a combined write whose connection was lost to end failed; "
                 "its writes are made again one by one"
             )
-            return False
-        return True
 
     def let_go(self, claims: list[uuid.UUID]) -> None:
         """Release the runs held by `claims`, unattempted: claims nobody will execute (made by

@@ -22,8 +22,10 @@ A combined statement whose connection was lost may still be running on the serve
 the writes are made again, `combined` itself waits it out: the store's combined
 statements hold an advisory lock of their own for their transaction, and the store
 waits for that lock (and, for steps that claimed runs, lets go of those) before it
-raises. While the database is unreachable that wait rides out the lost connection
-as any statement does, and the writes one by one start after it.
+raises. That wait is the one thing every caller of the batch, and every write queued
+behind it, waits for: at most `store.OUTLAST_PATIENCE` seconds, after which the
+store terminates the statement's backend, plus the ride over a lost connection any
+statement makes while the database is unreachable.
 """
 
 from __future__ import annotations

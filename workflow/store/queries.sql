@@ -419,9 +419,11 @@ RETURNING t.seq, run.woke;
 -- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
 -- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
 -- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
--- and the caller then writes the steps one by one. Before anything else the statement takes the advisory
--- lock `fence` (a random key of the caller's) for its transaction: a caller that lost the connection while
--- the server may still run the statement waits it out (outlast) before it writes or looks again.
+-- and the caller then writes the steps one by one. Before it locks or writes any row the statement takes the
+-- advisory lock `fence` (a random key of the caller's) for its transaction: a caller that lost the connection
+-- while the server may still run the statement waits it out (outlast) before it writes or looks again. One
+-- that had not got that far (still on its way, or waiting for a table lock) is not waited for: a write made
+-- again before it commits then recognises it afterwards (a start its own id, a last step its own release).
 WITH fence AS (
     SELECT pg_advisory_xact_lock(%(fence)s) AS held
 ), step AS (
@@ -537,8 +539,19 @@ FROM done d;
 -- name: outlast
 -- Wait until no transaction holds the advisory lock `fence`: one a combined write took (complete_tasks,
 -- complete_tasks_claiming, insert_runs) and whose connection was lost has ended, committed or not, so that
--- looking for what it did finds all of it (safe to repeat).
-SELECT pg_advisory_xact_lock(%(fence)s);
+-- looking for what it did finds all of it; at most `patience` (lock_timeout, this transaction only, set
+-- before the wait), then LockNotAvailable. Safe to repeat.
+SELECT set_config('lock_timeout', %(patience)s, true), pg_advisory_xact_lock(%(fence)s);
+
+
+-- name: end_fenced
+-- Terminate the backend that holds the advisory lock `fence` (a bigint key: its high and low 32 bits in
+-- classid and objid, objsubid 1): a combined write whose client is gone and which outlast waited for too
+-- long. Its transaction rolls back.
+SELECT pg_terminate_backend(pid) FROM pg_locks
+WHERE locktype = 'advisory' AND granted AND objsubid = 1
+  AND classid = (%(fence)s::bigint >> 32)::oid AND objid = (%(fence)s::bigint & 4294967295)::oid
+  AND pid <> pg_backend_pid();
 
 
 -- name: release_claims
