@@ -13,11 +13,12 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import Inp, Out, poll, registry, wait_until
 
 import workflow
 from workflow import Status
-from workflow.events import RunFinished
+from workflow.events import ExecutionEnded, RunFinished
 
 A = workflow.Task("a", Out)
 
@@ -195,14 +196,16 @@ def test_runs_finishing_together_claim_their_threads_next_runs_in_the_same_commi
                       (runs[5].id,)).fetchone() == (None,)
 
 
+@pytest.mark.parametrize("raised_on", [RunFinished, ExecutionEnded])
 def test_a_run_claimed_by_a_finish_is_let_go_of_when_an_interrupt_ends_the_execution(
-    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str, raised_on: type
 ) -> None:
     """A `SystemExit` raised after a finish claimed this thread's next run (here by an
-    event subscriber, as the run finishes) ends the execution and goes on up: the run
-    the finish claimed, which nobody will execute now, is let go of at once (no
-    heartbeat, not counted in flight, claimable, no attempt charged), not left held
-    until the process exits and then swept."""
+    event subscriber, as the run finishes or as its execution ends) ends the execution
+    and goes on up: the run the finish claimed, which nobody will execute now, is let
+    go of at once (no heartbeat, not counted in flight, claimable, no attempt charged),
+    not left held until the process exits and then swept; the execution that raised is
+    uncounted too."""
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     runs = start_each_in_its_own_transaction(db, wf, mgr, 5)
@@ -211,7 +214,7 @@ def test_a_run_claimed_by_a_finish_is_let_go_of_when_an_interrupt_ends_the_execu
     interrupted = {run.id for run in others}
 
     def exit_on_finish(event: Any) -> None:
-        if isinstance(event, RunFinished) and event.run_id in interrupted:
+        if isinstance(event, raised_on) and event.run_id in interrupted:
             raise SystemExit(3)
 
     mgr.events.subscribe(exit_on_finish)
@@ -236,3 +239,6 @@ def test_a_run_claimed_by_a_finish_is_let_go_of_when_an_interrupt_ends_the_execu
         ([run.id for run in runs[3:]],),
     ).fetchall()
     assert rows == [(None, True, 0), (None, True, 0)]
+    assert sorted(str(r.id) for r in store.claim_runs(["W"], 5)) == sorted(
+        str(r.id) for r in runs[3:]
+    )

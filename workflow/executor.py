@@ -185,36 +185,40 @@ class Executor:
         outer = getattr(_executing, "current", None)
         _executing.current = (self, run.id)
         try:
-            if self.events.active:
-                self.events.emit(
-                    RunClaimed(
-                        run.id, run.workflow, run.db_now is None, run.waited,
-                        run.traceparent, run.tracestate,
-                    )
-                )
-            execution.run()
-        except _Stop:
-            pass
-        except Exception as e:
-            execution.engine_failed(e)
-        except BaseException:
-            # An interrupt goes on up, and nobody will execute the run this one's
-            # finish claimed: let go of it now, not at the sweep with an attempt charged.
-            if execution.following is not None:
-                self._let_go(*execution.following)
-                execution.following = None
-            raise
-        finally:
-            _executing.current = outer
-            self.heartbeat.remove(claim)
-            if self.events.active:
-                if claim.reason == CANCELLED:
-                    self.events.emit(RunFinished(run.id, run.workflow, Status.CANCELLED))
-                self.events.emit(ExecutionEnded(run.id, run.workflow))
             try:
-                self.on_end(run.id, execution.outcome)
+                if self.events.active:
+                    self.events.emit(
+                        RunClaimed(
+                            run.id, run.workflow, run.db_now is None, run.waited,
+                            run.traceparent, run.tracestate,
+                        )
+                    )
+                execution.run()
+            except _Stop:
+                pass
+            except Exception as e:
+                execution.engine_failed(e)
             finally:
-                self.dismiss()
+                _executing.current = outer
+                self.heartbeat.remove(claim)
+                try:
+                    if self.events.active:
+                        if claim.reason == CANCELLED:
+                            self.events.emit(RunFinished(run.id, run.workflow, Status.CANCELLED))
+                        self.events.emit(ExecutionEnded(run.id, run.workflow))
+                finally:
+                    try:
+                        self.on_end(run.id, execution.outcome)
+                    finally:
+                        self.dismiss()
+        except BaseException:
+            # An interrupt (here, in a subscriber or in `on_end`) goes on up, and nobody
+            # will execute the run this one's finish claimed: let go of it now, not at
+            # the sweep with an attempt charged.
+            if execution.following is not None:
+                following, execution.following = execution.following, None
+                self._let_go(*following)
+            raise
         return execution.following
 
     def _let_go(self, run: ClaimedRun, claim: Claim) -> None:
