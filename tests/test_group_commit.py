@@ -423,6 +423,22 @@ def lock_run(run_id: uuid.UUID) -> tuple[str, tuple[Any, ...]]:
     return "SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,)
 
 
+def steps_survive_a_cut(store: Store, proxy: ReplyProxy, db: psycopg.Connection[Any],
+                        db_url: str, finishes: list[bool], *, block_for_good: bool = False) -> None:
+    """A first step, then steps that finish or not as `finishes` says, combined and cut
+    while running (`cut_while_running`, blocked on the last one's run): every caller
+    learns True, and every run is where its step took it."""
+    runs = [insert_claimed_run(db) for _ in range(len(finishes) + 1)]
+    first = Step(*runs[0])
+    queued = [Step(*run, finishes=done) for run, done in zip(runs[1:], finishes, strict=True)]
+    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
+                      lock_run(runs[-1][0]), first, queued, block_for_good=block_for_good)
+    assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * len(runs)
+    for step in (first, *queued):
+        finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
+        assert run_row(db, step.run_id)[:3] == finished
+
+
 @pytest.mark.direct(reason="the proxy stands where PgBouncer would")
 def test_steps_of_a_combined_write_still_running_when_its_connection_is_lost_are_found(
     proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
@@ -432,16 +448,7 @@ def test_steps_of_a_combined_write_still_running_when_its_connection_is_lost_are
     writer has given up on it. The steps made again one by one wait for it to end and
     find themselves done: no caller takes its own committed step for a lost claim (and
     stops executing a run that still holds its claim)."""
-    store, proxy = proxied_store
-    runs = [insert_claimed_run(db) for _ in range(4)]
-    first = Step(*runs[0])
-    queued = [Step(*runs[1], finishes=True), Step(*runs[2]), Step(*runs[3], finishes=True)]
-    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
-                      lock_run(runs[3][0]), first, queued)
-    assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * 4
-    for step in (first, *queued):
-        finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
-        assert run_row(db, step.run_id)[:3] == finished
+    steps_survive_a_cut(*proxied_store, db, db_url, [True, False, True])
 
 
 @pytest.mark.direct(reason="the proxy stands where PgBouncer would")
@@ -454,15 +461,7 @@ def test_a_combined_write_whose_connection_is_lost_is_ended_when_it_waits_too_lo
     transaction rolled back) rather than every later step of the process waiting behind
     it, and the steps are made again one by one."""
     monkeypatch.setattr(workflow.store, "OUTLAST_PATIENCE", 0.3)
-    store, proxy = proxied_store
-    runs = [insert_claimed_run(db) for _ in range(3)]
-    first, queued = Step(*runs[0]), [Step(*runs[1], finishes=True), Step(*runs[2])]
-    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
-                      lock_run(runs[2][0]), first, queued, block_for_good=True)
-    assert [(s.error, s.matched) for s in (first, *queued)] == [(None, True)] * 3
-    for step in (first, *queued):
-        finished = (4, "succeeded", False) if step.finishes else (2, "running", True)
-        assert run_row(db, step.run_id)[:3] == finished
+    steps_survive_a_cut(*proxied_store, db, db_url, [True, False], block_for_good=True)
 
 
 @pytest.mark.direct(reason="the proxy stands where PgBouncer would")

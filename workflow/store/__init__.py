@@ -638,12 +638,9 @@ class Store:
             rows = self.connections.once("complete_tasks_claiming", params)
             matched = {(row[1], row[3]) for row in rows if row[0]}
             runs = claimed_runs([row[1:] for row in rows if not row[0]])
-        except Exception as e:
-            self._outlast(params["fence"], e)
-            if new_claims:
-                self.let_go(new_claims)
-            raise
-        except BaseException:  # an interrupt: what was claimed for nobody goes back
+        except BaseException as e:  # an interrupt too: what was claimed for nobody goes back
+            if isinstance(e, Exception):
+                self._outlast(params["fence"], e)
             if new_claims:
                 self.let_go(new_claims)
             raise
