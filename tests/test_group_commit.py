@@ -3,7 +3,9 @@ share one statement.
 
 Combining is forced, not hoped for: a first step is held in flight by a row lock
 that another transaction holds on its run, the other steps are written meanwhile
-(they queue behind it), then the lock is let go. The first step is then written
+(they queue behind it: these tests allow one write in flight, where the store
+allows a second lone one beside the first, which its own tests below cover),
+then the lock is let go. The first step is then written
 alone and the queued ones in one `complete_tasks` statement. Each caller must
 still learn exactly whether its own fenced write matched; a combined statement
 that fails must fall back to single writes, so one bad row fails only its own
@@ -107,10 +109,11 @@ def _held_then_queued(store: Store, group: GroupCommit[Any], db_url: str,
         thread.start()
         threads.append(thread)
 
+    group.flights = 1  # the writes after the first queue, none rides beside it
     with psycopg.connect(db_url) as blocker:
         blocker.execute(*lock)
         start(first)
-        wait_until(lambda: group.busy, "the first write in flight")
+        wait_until(lambda: group.in_flight == 1, "the first write in flight")
         for write in queued:
             start(write)
         wait_until(lambda: group.queued == len(queued), "the other writes queued")
@@ -247,6 +250,131 @@ def test_a_lone_step_is_written_alone_at_once(store: Store, db: psycopg.Connecti
     assert store.complete_task(run_id, claim_id, 1, OUTPUT, 2, False) is True
     assert (store.steps.flushes, store.steps.combined) == (1, 0)
     assert len(writers(db, [run_id])) == 1
+
+
+class Held:
+    """Writes held in flight by row locks on their runs, each let go of on its own."""
+
+    def __init__(self, store: Store, db_url: str) -> None:
+        self._store, self._db_url = store, db_url
+        self._blockers: dict[uuid.UUID, psycopg.Connection[Any]] = {}
+        self.threads: dict[uuid.UUID, threading.Thread] = {}
+
+    def start(self, step: Step, *, hold: bool = True) -> None:
+        if hold:
+            blocker = self._blockers[step.run_id] = psycopg.connect(self._db_url)
+            blocker.execute(lock_run(step.run_id)[0], (step.run_id,))
+        thread = self.threads[step.run_id] = threading.Thread(target=step.write,
+                                                               args=(self._store,))
+        thread.start()
+
+    def let_go(self, step: Step) -> None:
+        self._blockers.pop(step.run_id).close()
+        self.join(step)
+
+    def join(self, step: Step) -> None:
+        self.threads[step.run_id].join(timeout=30)
+        assert not self.threads[step.run_id].is_alive()
+
+    def close(self) -> None:
+        for blocker in self._blockers.values():
+            blocker.close()
+
+
+def test_a_second_lone_step_rides_beside_one_in_flight_instead_of_queueing(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Two threads' steps at once: the second is made at once on its own connection while
+    the first is still in flight (held there by a row lock), not queued behind it to be
+    made alone anyway after it."""
+    first, second = (Step(*insert_claimed_run(db)) for _ in range(2))
+    held = Held(store, db_url)
+    try:
+        held.start(first)
+        wait_until(lambda: store.steps.in_flight == 1, "the first step in flight")
+        assert not store.steps.busy
+        held.start(second, hold=False)
+        held.join(second)
+        assert second.matched is True
+        assert store.steps.in_flight == 1 and held.threads[first.run_id].is_alive()
+        held.let_go(first)
+    finally:
+        held.close()
+    assert first.matched is True
+    assert (store.steps.flushes, store.steps.combined, store.steps.in_flight) == (2, 0, 0)
+
+
+def test_steps_queue_behind_two_in_flight_and_the_last_to_end_makes_the_queue(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """With two lone steps in flight the next ones queue; so does one arriving while a
+    queue waits, even after one of the two has ended (the queue is not overtaken), and
+    the queue goes to the one still in flight: when it ends, the queue is made in one
+    statement. While that statement is in flight, a step arriving queues behind it."""
+    a, b, c, d, e, f = (Step(*insert_claimed_run(db)) for _ in range(6))
+    held = Held(store, db_url)
+    try:
+        held.start(a)
+        wait_until(lambda: store.steps.in_flight == 1, "a in flight")
+        held.start(b)
+        wait_until(lambda: store.steps.in_flight == 2, "a and b in flight")
+        assert store.steps.busy
+        held.start(c)  # held too: the statement that carries it stays in flight
+        held.start(d, hold=False)
+        wait_until(lambda: store.steps.queued == 2, "c and d queued")
+        held.let_go(a)
+        # a ended while b was still in flight: it left the queue to b.
+        assert (store.steps.in_flight, store.steps.queued) == (1, 2)
+        held.start(e, hold=False)
+        wait_until(lambda: store.steps.queued == 3, "e queued behind c and d")
+        held.let_go(b)
+        wait_until(lambda: store.steps.queued == 0, "b handed the queue on")
+        assert store.steps.in_flight == 1  # c, d and e in one statement, held by c's lock
+        held.start(f, hold=False)
+        wait_until(lambda: store.steps.queued == 1, "f queued behind the combined statement")
+        held.let_go(c)
+        for step in (d, e, f):
+            held.join(step)
+    finally:
+        held.close()
+    assert [s.error for s in (a, b, c, d, e, f)] == [None] * 6
+    assert [s.matched for s in (a, b, c, d, e, f)] == [True] * 6
+    assert (store.steps.flushes, store.steps.combined, store.steps.in_flight) == (4, 3, 0)
+    assert len(writers(db, [c.run_id, d.run_id, e.run_id])) == 1
+
+
+@settings(max_examples=25, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(threads=st.integers(min_value=2, max_value=8), steps=st.integers(min_value=1, max_value=5))
+def test_steps_of_many_threads_at_once_are_all_written_and_none_is_left_waiting(
+    store: Store, db: psycopg.Connection[Any], threads: int, steps: int
+) -> None:
+    """Threads writing steps as fast as they can, each of its own run: every step is
+    written once and answered, whatever mix of lone flights and combined statements
+    the timing made, and nothing is left in flight or queued (no lost wake-up)."""
+    runs = [insert_claimed_run(db, tasks=6) for _ in range(threads)]
+    answers: list[list[bool]] = [[] for _ in runs]
+
+    def walk(i: int) -> None:
+        run_id, claim_id = runs[i]
+        for seq in range(1, steps + 1):
+            answers[i].append(store.complete_task(run_id, claim_id, seq, OUTPUT, seq + 1,
+                                                  False))
+
+    workers = [threading.Thread(target=walk, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=60)
+        assert not worker.is_alive()
+    assert answers == [[True] * steps] * threads
+    assert (store.steps.in_flight, store.steps.queued) == (0, 0)
+    rows = db.execute(
+        "SELECT r.current_seq, count(t.output) FROM workflow_runs r "
+        "JOIN workflow_tasks t ON t.run_id = r.id WHERE r.id = ANY(%s) GROUP BY r.id",
+        ([run_id for run_id, _ in runs],),
+    ).fetchall()
+    assert rows == [(steps + 1, steps)] * threads
 
 
 def test_outputs_of_none_only_combine(
@@ -396,10 +524,11 @@ def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
     row = db.execute("SHOW client_connection_check_interval").fetchone()
     assert row == ("0",), "the server must go on running a statement whose client is gone"
     threads = [threading.Thread(target=write.write, args=(store,)) for write in (first, *queued)]
+    group.flights = 1  # the writes after the first queue, none rides beside it
     with psycopg.connect(db_url) as holder, psycopg.connect(db_url) as blocker:
         holder.execute(*hold)
         threads[0].start()
-        wait_until(lambda: group.busy, "the first write in flight")
+        wait_until(lambda: group.in_flight == 1, "the first write in flight")
         for thread in threads[1:]:
             thread.start()
         wait_until(lambda: group.queued == len(queued), "the other writes queued")

@@ -142,10 +142,11 @@ def finish_together(store: Any, db_url: str, first: Any, threads: list[threading
     """Start `threads` (each executing a run, `first`'s first) so that they finish at once:
     the first one's step held in flight by a row lock on its run, the others queued
     behind it (their steps then share one statement); wait for all of them."""
+    store.steps.flights = 1  # the steps after the first queue, none rides beside it
     with psycopg.connect(db_url) as blocker:
         blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (first.id,))
         threads[0].start()
-        wait_until(lambda: store.steps.busy, "the first step in flight")
+        wait_until(lambda: store.steps.in_flight == 1, "the first step in flight")
         for thread in threads[1:]:
             thread.start()
         wait_until(lambda: store.steps.queued == len(threads) - 1, "the other steps queued")
