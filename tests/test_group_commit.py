@@ -281,12 +281,10 @@ class Held:
             blocker.close()
 
 
-def test_a_second_lone_step_rides_beside_one_in_flight_instead_of_queueing(
-    store: Store, db: psycopg.Connection[Any], db_url: str
-) -> None:
-    """Two threads' steps at once: the second is made at once on its own connection while
-    the first is still in flight (held there by a row lock), not queued behind it to be
-    made alone anyway after it."""
+def ride_side_by_side(store: Store, db: psycopg.Connection[Any], db_url: str) -> None:
+    """Two lone steps: the first held in flight by a row lock on its run, the second
+    written meanwhile; the second must be made (and answered) while the first is still
+    in flight, then the first is let go of."""
     first, second = (Step(*insert_claimed_run(db)) for _ in range(2))
     held = Held(store, db_url)
     try:
@@ -301,6 +299,15 @@ def test_a_second_lone_step_rides_beside_one_in_flight_instead_of_queueing(
     finally:
         held.close()
     assert first.matched is True
+
+
+def test_a_second_lone_step_rides_beside_one_in_flight_instead_of_queueing(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Two threads' steps at once: the second is made at once on its own connection while
+    the first is still in flight (held there by a row lock), not queued behind it to be
+    made alone anyway after it."""
+    ride_side_by_side(store, db, db_url)
     assert (store.steps.flushes, store.steps.combined, store.steps.in_flight) == (2, 0, 0)
 
 
@@ -341,6 +348,8 @@ def test_steps_queue_behind_two_in_flight_and_the_last_to_end_makes_the_queue(
     assert [s.matched for s in (a, b, c, d, e, f)] == [True] * 6
     assert (store.steps.flushes, store.steps.combined, store.steps.in_flight) == (4, 3, 0)
     assert len(writers(db, [c.run_id, d.run_id, e.run_id])) == 1
+    # Once the combined statement has ended, two lone steps ride side by side again.
+    ride_side_by_side(store, db, db_url)
 
 
 @settings(max_examples=25, deadline=None,

@@ -76,7 +76,7 @@ class _Write(Generic[T]):
 
 
 class GroupCommit(Generic[T]):
-    """Makes writes of one kind alone when nothing else is in flight, together when it is.
+    """Makes writes of one kind alone when little else is in flight, together when more is.
 
     `single(params, may_have_landed)` makes one write (riding out lost connections
     itself, and first looking for what an earlier try did when `may_have_landed`)
@@ -129,7 +129,7 @@ class GroupCommit(Generic[T]):
 
     @property
     def queued(self) -> int:
-        """How many writes wait for the one in flight to end."""
+        """How many writes wait for the last one in flight to end."""
         return len(self._queue)
 
     def write(self, params: _Params) -> T:

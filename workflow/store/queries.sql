@@ -418,8 +418,10 @@ RETURNING t.seq, run.woke;
 -- complete_task for several runs in one statement and one commit (group commit), each step fenced by its own
 -- claim as complete_task's is: the (run, claim) pairs that matched come back, and no other (two steps of one
 -- run, a live claim's and a stale one's, can share a batch). The caller passes the steps in id order, which
--- the plans keep, so the rows are locked in that order; a deadlock that still happens fails the statement,
--- and the caller then writes the steps one by one. Before it locks or writes any row the statement takes the
+-- the plans keep once the table has statistics (a nested loop from the steps), so the rows are locked in that
+-- order; on a young table without statistics the plan may join a bitmap scan and lock in the table's order,
+-- as the older text did too. A deadlock that happens fails the statement, and the caller then writes the
+-- steps one by one. Before it locks or writes any row the statement takes the
 -- advisory lock `fence` (a random key of the caller's) for its transaction: a caller that lost the connection
 -- while the server may still run the statement waits it out (outlast) before it writes or looks again. One
 -- that had not got that far (still on its way, or waiting for a table lock) is not waited for: a write made
