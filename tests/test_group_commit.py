@@ -18,7 +18,9 @@ key of the caller's) combine the same way; a table lock holds the first in fligh
 from __future__ import annotations
 
 import logging
+import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -350,6 +352,42 @@ def test_steps_queue_behind_two_in_flight_and_the_last_to_end_makes_the_queue(
     assert len(writers(db, [c.run_id, d.run_id, e.run_id])) == 1
     # Once the combined statement has ended, two lone steps ride side by side again.
     ride_side_by_side(store, db, db_url)
+
+
+def test_a_queued_step_interrupted_while_it_waits_still_makes_the_queue_it_is_handed(
+    store: Store, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """Ctrl-C on the main thread while its step waits behind another in flight: the step
+    waits on, is handed the queue when that one ends, makes it, and only then raises the
+    interrupt. Had it stopped waiting, the queue handed to it would never be made, and
+    every later step of the process would wait behind it for ever."""
+    store.steps.flights = 1  # the main thread's step queues behind the first
+    first, mine, later = (Step(*insert_claimed_run(db)) for _ in range(3))
+    held = Held(store, db_url)
+    main = threading.main_thread().ident
+    assert main == threading.get_ident(), "signals reach the main thread only"
+
+    def interrupt_then_let_go() -> None:
+        wait_until(lambda: store.steps.queued == 1, "the main thread's step queued")
+        signal.pthread_kill(main, signal.SIGINT)
+        time.sleep(0.2)  # the interrupt handled while the step waits
+        held.let_go(first)
+
+    try:
+        held.start(first)
+        wait_until(lambda: store.steps.in_flight == 1, "the first step in flight")
+        helper = threading.Thread(target=interrupt_then_let_go)
+        helper.start()
+        with pytest.raises(KeyboardInterrupt):
+            store.complete_task(mine.run_id, mine.claim_id, 1, OUTPUT, 2, False)
+        helper.join(timeout=30)
+    finally:
+        held.close()
+    assert first.matched is True
+    assert run_row(db, mine.run_id) == (2, "running", True, [OUTPUT, None, None])
+    assert (store.steps.in_flight, store.steps.queued) == (0, 0)
+    later.write(store)
+    assert later.matched is True
 
 
 @settings(max_examples=25, deadline=None,

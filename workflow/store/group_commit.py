@@ -13,7 +13,10 @@ of the queue is woken to make the whole queue in one statement (the others are
 woken with their answers when it ends); a write in flight that ends while another
 still is leaves the queue to that one, so under load the writes collapse into one
 flight of ever larger statements, as they would with one. Each caller gets its
-own answer: for a task step, whether *its* claim matched.
+own answer: for a task step, whether *its* claim matched. A write waiting in the
+queue that is interrupted (Ctrl-C on the main thread) waits on, makes the queue if
+it is handed it, and raises the interrupt then: the writes behind it never wait on
+a thread that went away.
 
 A combined statement that fails for any reason (a lost connection, a row the
 server refuses, a deadlock) is followed by the same writes made again one by one,
@@ -58,7 +61,7 @@ T = TypeVar("T")
 class _Write(Generic[T]):
     """One caller's write: its parameters, its answer, and the latch it waits on."""
 
-    __slots__ = ("again", "answer", "batch", "error", "latch", "params")
+    __slots__ = ("again", "answer", "batch", "error", "latch", "params", "woken")
 
     # Set only when the write queues: the one made at once never waits on a latch.
     latch: threading.Lock
@@ -73,6 +76,9 @@ class _Write(Generic[T]):
         # Set when the combined statement it was in failed: its own thread makes it
         # again, alone.
         self.again = False
+        # Set, before its latch is let go of, when it is woken (to make a batch or
+        # with its answer).
+        self.woken = False
 
 
 class GroupCommit(Generic[T]):
@@ -150,14 +156,33 @@ class GroupCommit(Generic[T]):
         if lead:
             self._flush([step])
         else:
-            latch.acquire()
+            interrupt = self._wait(step)
             if step.batch is not None:
                 self._flush(step.batch)
+            if interrupt is not None:
+                raise interrupt
         if step.again:
             self._alone(step, True)
         if step.error is not None:
             raise step.error
         return step.answer  # type: ignore[return-value]  # set when no error was
+
+    @staticmethod
+    def _wait(step: _Write[T]) -> BaseException | None:
+        """Wait until `step` is woken; an interrupt meanwhile (Ctrl-C on the main thread)
+        is held back until then and returned, for the caller to raise once it has made
+        the batch it may have been handed: a write that stopped waiting would leave its
+        queue unmade, and every later write of its kind waiting for ever. (`woken` is
+        set before the latch is let go of, so while it is unset the latch is not this
+        thread's yet, whichever bytecode the interrupt came at.)"""
+        interrupt: BaseException | None = None
+        while True:
+            try:
+                if not step.woken:
+                    step.latch.acquire()
+                return interrupt
+            except BaseException as e:
+                interrupt = interrupt or e
 
     def _flush(self, batch: list[_Write[T]]) -> None:
         """Make `batch` (its first write is the caller's), hand the queue on, wake the rest.
@@ -188,8 +213,10 @@ class GroupCommit(Generic[T]):
             # Every write woken here queued, so it has its latch.
             if following:
                 following[0].batch = following
+                following[0].woken = True
                 following[0].latch.release()
             for step in batch[1:]:
+                step.woken = True
                 step.latch.release()
 
     def _alone(self, step: _Write[T], may_have_landed: bool) -> None:
