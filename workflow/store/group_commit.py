@@ -50,7 +50,7 @@ __all__ = ["FLIGHTS", "GroupCommit"]
 FLIGHTS = 2
 """How many lone writes of one kind may be in flight at once (combined statements are
 one at a time). Measured on the typed 3-task fast path against one flight
-(bench/README.md): 1.2-1.4x the runs/s from 2 threads, 1.0-1.2x from 4, no change
+(bench/README.md): 1.2-1.4x the runs/s at 2 threads, 1.0-1.2x at 4, no change
 from 8 up nor for a worker's finishes (the queue forms, and one flight carries
 it)."""
 
