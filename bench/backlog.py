@@ -555,18 +555,21 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
         if start == "cold":
             before = _insert(system, admin, counters, n, result, wal)
             with consumers(system, c) as procs:
-                _drain(system, admin, counters, procs, n, timeout, before, result, wal)
+                # Cold: the consumers' start-up is in their CPU too.
+                _drain(system, admin, counters, procs, n, timeout, before, result, wal, 0.0)
             return result
         with consumers(system, c, gated=start == "warm") as procs:
             result["startup_s"] = wait_idle(system, admin, procs, in_db=start == "frozen")
             if start == "frozen":
                 _signal_all(procs, signal.SIGSTOP)
             before = _insert(system, admin, counters, n, result, wal)
+            consumer_cpu = sum(_tree_cpu(procs))
             if start == "frozen":
                 _signal_all(procs, signal.SIGCONT)
             else:
                 release(procs)
-            _drain(system, admin, counters, procs, n, timeout, before, result, wal)
+            _drain(system, admin, counters, procs, n, timeout, before, result, wal,
+                   consumer_cpu)
         return result
 
 
@@ -585,10 +588,13 @@ def _insert(system: System, admin: Any, counters: Counters, n: int,
 
 def _drain(system: System, admin: Any, counters: Counters,
            procs: list[subprocess.Popen[bytes]], n: int, timeout: float,
-           before: dict[str, Any], result: dict[str, Any], wal: WalReader) -> None:
+           before: dict[str, Any], result: dict[str, Any], wal: WalReader,
+           consumer_cpu: float) -> None:
     """Until the consumers have done all N; the counters, checked completions (before
-    the consumers are stopped)."""
+    the consumers are stopped). `consumer_cpu`: the consumers' CPU seconds when
+    released."""
     wall, peak = wait_drained(system, admin, procs, n, timeout, wal)
+    result["consumer_cpu_ms_per_job"] = 1000.0 * (sum(_tree_cpu(procs)) - consumer_cpu) / n
     after = counters.read()
     result.update(completions(system, admin, n))
     result.update(Counters.per_job(before, after, n))
@@ -641,6 +647,7 @@ def main() -> None:
                     f" (own {_fmt(res['own_wal_bytes_per_job'], 0, 0)})"
                     f"  server CPU {res['server_cpu_ms_per_job']:.3f} ms"
                     f"  (db backends {res['db_backends_cpu_ms_per_job']:.3f} ms)"
+                    f"  consumer CPU {res['consumer_cpu_ms_per_job']:.3f} ms"
                     f"  enqueue {res['enqueue_jobs_per_s']:.0f}/s  wall {res['wall_s']:.2f}s"
                     f"  peak backends {res['peak_backends']}  [{time.monotonic() - began:.0f}s]")
     report(samples, names, args)
@@ -651,7 +658,8 @@ def main() -> None:
 
 KEYS = ("jobs_per_s", "jobs_per_s_p10_p90", "write_xacts_per_job", "own_write_xacts_per_job",
         "wal_bytes_per_job", "own_wal_bytes_per_job", "server_cpu_ms_per_job",
-        "db_backends_cpu_ms_per_job", "enqueue_jobs_per_s", "span_s", "wall_s", "peak_backends")
+        "db_backends_cpu_ms_per_job", "consumer_cpu_ms_per_job", "enqueue_jobs_per_s", "span_s",
+        "wall_s", "peak_backends")
 
 
 def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str],
@@ -675,7 +683,7 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
     print(f"\nworker backlog: N={args.n} one-task jobs inserted one commit each, drained by C "
           f"consumer processes (start: {args.start}); medians of {args.rounds} round(s)")
     print(f"{'system':<14}{'C':>3}{'jobs/s':>8}{'p10-90':>8}{'xacts':>7}{'own':>6}{'WAL B':>8}"
-          f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'enq/s':>7}{'conns':>6}")
+          f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'cons CPU':>9}{'enq/s':>7}{'conns':>6}")
     for c in args.consumers:
         for name in names:
             m = medians.get((name, c))
@@ -685,13 +693,16 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
                   f"{m['write_xacts_per_job']:>7.2f}"
                   f"{_fmt(m['own_write_xacts_per_job'], 6, 2)}{m['wal_bytes_per_job']:>8.0f}"
                   f"{_fmt(m['own_wal_bytes_per_job'], 7, 0)}{m['server_cpu_ms_per_job']:>9.3f}"
-                  f"{m['db_backends_cpu_ms_per_job']:>8.3f}{m['enqueue_jobs_per_s']:>7.0f}"
+                  f"{m['db_backends_cpu_ms_per_job']:>8.3f}"
+                  f"{m['consumer_cpu_ms_per_job']:>9.3f}{m['enqueue_jobs_per_s']:>7.0f}"
                   f"{m['peak_backends']:>6.0f}")
     print("  jobs/s: (N-1)/(last-first completion); p10-90: the rate between the 10th and"
           " 90th percentile completions")
     print("  per job over the drain: write transactions and WAL bytes (server-wide; own: this"
           " database's, from the WAL),\n  server CPU ms (every postgres process; db: this"
-          " database's backends); enq/s: the one-commit-per-job insert;\n  conns: peak"
+          " database's backends); cons CPU: the consumer processes' own CPU ms\n  (user+system,"
+          " from their release to the drain's end); enq/s: the one-commit-per-job insert;\n"
+          "  conns: peak"
           " connections to the bench database")
     peers = [peer for peer in names if peer != "pgworkflow"]
     if "pgworkflow" in names and peers:

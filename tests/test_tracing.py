@@ -337,3 +337,49 @@ print("ok")
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_without_an_sdk_the_provider_is_looked_for_once_a_second_and_found_when_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With the API and no SDK, a worker's every claim used to ask the API for its
+    provider, which reads the environment each time; it now looks at most every
+    `SDK_LOOK` seconds, builds nothing meanwhile, and traces once one is set."""
+    import logging
+    import time
+    import types
+    import uuid
+
+    from workflow import tracing
+    from workflow.events import Events, RunClaimed
+    from workflow.logs import EngineLog
+
+    provider: list[Any] = [trace.NoOpTracerProvider()]
+    looks: list[float] = []
+
+    def get_tracer_provider() -> Any:
+        looks.append(clock[0])
+        return provider[0]
+
+    clock = [100.0]
+    monkeypatch.setattr(tracing.trace, "get_tracer_provider", get_tracer_provider)
+    monkeypatch.setattr(tracing, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], time_ns=time.time_ns))
+    traced_runs = tracing.Tracing(Events(EngineLog(logging.getLogger("test.tracing"))))
+    looks.clear()  # the API's get_tracer asks once at the start
+
+    def claim() -> bool:
+        run_id = uuid.uuid4()
+        traced_runs._claimed(RunClaimed(run_id, "W", True, 0.0, None, None))
+        return run_id in traced_runs._executions()
+
+    assert not claim() and not claim()
+    clock[0] += tracing.SDK_LOOK / 2
+    assert not claim()
+    assert looks == [100.0], looks  # one look in the first second
+    provider[0] = sdk_trace.TracerProvider()
+    clock[0] += tracing.SDK_LOOK / 2
+    assert claim()  # the next second's look finds it
+    clock[0] += 1000
+    assert claim() and claim()
+    assert len(looks) == 2, looks  # found once, never asked again

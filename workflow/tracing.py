@@ -19,8 +19,11 @@ default) subscribes a `Tracing` to its events, which turns them into spans:
 
 Park and cancel are span events (`workflow.parked`, `workflow.cancelled`). With
 the API but no SDK configured (no tracer provider set when a run's execution
-begins), nothing is built for that run: a type check per execution and a dict
-miss per event.
+begins), nothing is built for that run: a dict miss per event. The provider is
+looked for at most every `SDK_LOOK` seconds until one is found (the API's own
+look reads the environment, a cost a worker paid on every run), so a provider
+configured after the manager started traces the runs claimed from at most that
+long after.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ else:
 __all__ = ["Tracing", "available", "capture"]
 
 _INSTRUMENTATION = "workflow"
+SDK_LOOK = 1.0
+"""Seconds between two looks for a configured tracer provider while none is."""
 _FAILED = (Outcome.FAILED, Outcome.TIMED_OUT)
 
 
@@ -113,6 +118,8 @@ class Tracing:
             raise RuntimeError("workflow.tracing needs opentelemetry-api (pgworkflow[otel])")
         self._tracer = trace.get_tracer(_INSTRUMENTATION)
         self._local = threading.local()
+        self._sdk = False  # a provider was seen: it stays (the API sets one only once)
+        self._look_after = -float("inf")  # monotonic: no look for a provider before
         self._unsubscribe = events.subscribe(self._on_event)
 
     def close(self) -> None:
@@ -137,8 +144,22 @@ class Tracing:
         elif isinstance(event, ExecutionEnded):
             self._ended(event)
 
-    def _claimed(self, event: RunClaimed) -> None:
+    def _configured(self) -> bool:
+        """Whether a tracer provider (an SDK) is configured, looked for at most every
+        `SDK_LOOK` seconds until it is."""
+        if self._sdk:
+            return True
+        now = time.monotonic()
+        if now < self._look_after:
+            return False
         if isinstance(trace.get_tracer_provider(), _NO_SDK):
+            self._look_after = now + SDK_LOOK
+            return False
+        self._sdk = True
+        return True
+
+    def _claimed(self, event: RunClaimed) -> None:
+        if not self._configured():
             return  # no SDK configured (yet): nothing would be recorded, build nothing
         execution = _Execution()
         self._executions()[event.run_id] = execution

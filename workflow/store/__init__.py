@@ -147,7 +147,9 @@ def array_literal(values: Sequence[object]) -> str:
             parts.append("NULL")
         elif value is True or value is False:
             parts.append("t" if value else "f")
-        elif isinstance(value, (int, uuid.UUID)):
+        elif isinstance(value, uuid.UUID):
+            parts.append(value.hex)  # the server reads a uuid's 32 digits without dashes too
+        elif isinstance(value, int):
             parts.append(str(value))
         else:
             text = str(value).replace("\\", "\\\\").replace('"', '\\"')
