@@ -685,3 +685,24 @@ def test_encode_error_keeps_the_cause() -> None:
     with pytest.raises(EncodeError) as info:
         encode(Loose(name="a", extra=object()), Loose)
     assert info.value.__cause__ is not None
+
+
+@attrs.frozen
+class Branch:
+    """A record that holds itself: the shape check of a tree must not build for ever."""
+
+    name: str
+    children: list[Branch] = attrs.field(factory=list)
+    tags: dict[str, tuple[int, str]] = attrs.field(factory=dict)
+
+
+def test_a_record_that_holds_itself_round_trips_and_a_deep_misshape_is_named() -> None:
+    tree = Branch("a", [Branch("b", [Branch("c", tags={"t": (1, "x")})])])
+    assert decode_text(encode(tree, Branch), Branch) == tree
+    bad = '{"name": "a", "children": [{"name": "b", "children": [{"name": "c", "children": "x"}]}]}'
+    with pytest.raises(DecodeError, match=r"\$\.children\[0\]\.children\[0\]\.children: "
+                                          r"expected an array, not str"):
+        decode_text(bad, Branch)
+    short = '{"name": "a", "tags": {"t": [1]}}'
+    with pytest.raises(DecodeError, match=r"\$\.tags\['t'\]: expected 2 items, not 1"):
+        decode_text(short, Branch)

@@ -214,32 +214,84 @@ def _check_shape(document: Any, tp: Any, path: str, keys: bool = True) -> None:
     a list. `keys=False` leaves a map's keys out of the paths in its messages
     (they are data, which a sealed document must not leak).
     """
+    check = _shape_check(tp)
+    if check is not None:
+        check(document, path, keys)
+
+
+_ShapeCheck = typing.Callable[[Any, str, bool], None]
+_SHAPE_CHECKS: dict[Any, _ShapeCheck | None] = {}
+
+
+def _shape_check(tp: Any) -> _ShapeCheck | None:
+    """The check of a document against `tp`, None when there is nothing to check (a
+    scalar, a union): built once per type, since reading a type's form and hints cost
+    more than the check itself on every input and output."""
+    try:
+        return _SHAPE_CHECKS[tp]
+    except KeyError:
+        check = _SHAPE_CHECKS[tp] = _build_shape_check(tp)
+        return check
+    except TypeError:  # a type form that cannot be hashed: built each time
+        return _build_shape_check(tp)
+
+
+def _build_shape_check(tp: Any) -> _ShapeCheck | None:
+    # The checks of the parts are looked up when a document is checked, not here: a
+    # record may hold itself (a tree), and its check must not build for ever.
     origin = typing.get_origin(tp) or tp
     args = typing.get_args(tp)
     if origin in _ARRAYS:
-        if not isinstance(document, list):
-            raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
         if origin is tuple and args and args[-1] is not Ellipsis:
-            if len(document) != len(args):
-                raise _ShapeError(f"{path}: expected {len(args)} items, not {len(document)}")
-            for i, (item, arg) in enumerate(zip(document, args, strict=True)):
-                _check_shape(item, arg, f"{path}[{i}]", keys)
-        elif args:
-            for i, item in enumerate(document):
-                _check_shape(item, args[0], f"{path}[{i}]", keys)
-    elif origin in _OBJECTS:
-        if not isinstance(document, dict):
-            raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
-        if len(args) == 2:
-            for key, item in document.items():
-                _check_shape(item, args[1], f"{path}[{key!r}]" if keys else f"{path}[...]", keys)
-    elif isinstance(tp, type) and _is_record(tp):
-        if not isinstance(document, dict):
-            raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
-        hints = _hints(tp)
+            return functools.partial(_check_fixed_array, args)
+        return functools.partial(_check_array, args[0] if args else None)
+    if origin in _OBJECTS:
+        return functools.partial(_check_object, args[1] if len(args) == 2 else None)
+    if isinstance(tp, type) and _is_record(tp):
+        return functools.partial(_check_record, tp)
+    return None
+
+
+def _check_fixed_array(args: tuple[Any, ...], document: Any, path: str, keys: bool) -> None:
+    if not isinstance(document, list):
+        raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
+    if len(document) != len(args):
+        raise _ShapeError(f"{path}: expected {len(args)} items, not {len(document)}")
+    for i, (item, arg) in enumerate(zip(document, args, strict=True)):
+        _check_shape(item, arg, f"{path}[{i}]", keys)
+
+
+def _check_array(item_tp: Any, document: Any, path: str, keys: bool) -> None:
+    if not isinstance(document, list):
+        raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
+    check = None if item_tp is None else _shape_check(item_tp)
+    if check is not None:
+        for i, item in enumerate(document):
+            check(item, f"{path}[{i}]", keys)
+
+
+def _check_object(value_tp: Any, document: Any, path: str, keys: bool) -> None:
+    if not isinstance(document, dict):
+        raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
+    check = None if value_tp is None else _shape_check(value_tp)
+    if check is not None:
         for key, item in document.items():
-            if key in hints:
-                _check_shape(item, hints[key], f"{path}.{key}", keys)
+            check(item, f"{path}[{key!r}]" if keys else f"{path}[...]", keys)
+
+
+def _check_record(tp: type, document: Any, path: str, keys: bool) -> None:
+    if not isinstance(document, dict):
+        raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
+    hints = _hints(tp)
+    for key, item in document.items():
+        hint = hints.get(key, _NO_HINT)
+        if hint is not _NO_HINT:
+            check = _shape_check(hint)
+            if check is not None:
+                check(item, f"{path}.{key}", keys)
+
+
+_NO_HINT = object()
 
 
 def decode(document: Any, tp: Any, *, redact: bool = False) -> Any:
