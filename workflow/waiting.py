@@ -61,6 +61,19 @@ class Ending:
         return self.done
 
 
+def _ended(status: Status) -> Ending:
+    ending = Ending()
+    ending.status = status
+    ending.set()
+    return ending
+
+
+_ENDED = {status: _ended(status) for status in Status}
+"""An ended execution's record, one per status, for the executions nobody waited on
+while they ran (a poller's): making and setting a latch for each cost a worker's every
+run."""
+
+
 class Endings:
     """This process's executions, and how the recent ones ended."""
 
@@ -85,15 +98,17 @@ class Endings:
         """
         with self._lock:
             ending = self._local.pop(run_id, None)
-            if status is not None:
-                ending = ending or Ending()
+            if ending is not None:
                 ending.status = status
-                if status is Status.SUCCEEDED:
-                    self._recent[run_id] = ending
-                while len(self._recent) > RECENT:
+            elif status is not None:
+                # Begun without `executing` (by a poller): no latch of its own is waited on.
+                ending = _ENDED[status]
+            if status is Status.SUCCEEDED and ending is not None:
+                self._recent[run_id] = ending
+                if len(self._recent) > RECENT:
                     self._recent.popitem(last=False)
-            waiter = self._waiters.get(run_id)
-        if ending is not None:
+            waiter = self._waiters.get(run_id) if self._waiters else None
+        if ending is not None and not ending.done:
             ending.set()
         if waiter is not None:
             waiter.set()
