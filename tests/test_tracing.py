@@ -339,47 +339,74 @@ print("ok")
     assert proc.stdout.strip() == "ok"
 
 
-def test_without_an_sdk_the_provider_is_looked_for_once_a_second_and_found_when_set(
+def test_without_an_sdk_no_event_is_built_for_tracing_until_a_provider_is_set(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """With the API and no SDK, a worker's every claim used to ask the API for its
-    provider, which reads the environment each time; it now looks at most every
-    `SDK_LOOK` seconds, builds nothing meanwhile, and traces once one is set."""
+    """With the API and no SDK, tracing used to subscribe anyway: every execution built
+    and dispatched its events, and every claim asked the API for its provider (which
+    reads the environment). Now the events stay inactive; as executions begin
+    (`Events.look`), the provider is looked for at most every `LOOK_EVERY` seconds,
+    and once one is set tracing subscribes and stops looking."""
     import logging
     import time
     import types
-    import uuid
 
+    from workflow import events as events_module
     from workflow import tracing
-    from workflow.events import Events, RunClaimed
+    from workflow.events import Events
     from workflow.logs import EngineLog
 
     provider: list[Any] = [trace.NoOpTracerProvider()]
     looks: list[float] = []
+    clock = [100.0]
 
     def get_tracer_provider() -> Any:
         looks.append(clock[0])
         return provider[0]
 
-    clock = [100.0]
     monkeypatch.setattr(tracing.trace, "get_tracer_provider", get_tracer_provider)
-    monkeypatch.setattr(tracing, "time", types.SimpleNamespace(
+    monkeypatch.setattr(events_module, "time", types.SimpleNamespace(
         monotonic=lambda: clock[0], time_ns=time.time_ns))
-    traced_runs = tracing.Tracing(Events(EngineLog(logging.getLogger("test.tracing"))))
-    looks.clear()  # the API's get_tracer asks once at the start
-
-    def claim() -> bool:
-        run_id = uuid.uuid4()
-        traced_runs._claimed(RunClaimed(run_id, "W", True, 0.0, None, None))
-        return run_id in traced_runs._executions()
-
-    assert not claim() and not claim()
-    clock[0] += tracing.SDK_LOOK / 2
-    assert not claim()
-    assert looks == [100.0], looks  # one look in the first second
+    events = Events(EngineLog(logging.getLogger("test.tracing")))
+    traced = tracing.Tracing(events)
+    assert len(looks) == 2, looks  # the API's get_tracer, then tracing's own look
+    looks.clear()
+    assert not events.active
+    events.look()
+    events.look()
+    clock[0] += events_module.LOOK_EVERY / 2
+    events.look()
+    assert looks == [100.0] and not events.active, looks  # one look in the first second
     provider[0] = sdk_trace.TracerProvider()
-    clock[0] += tracing.SDK_LOOK / 2
-    assert claim()  # the next second's look finds it
+    events.look()
+    assert not events.active  # not time yet
+    clock[0] += events_module.LOOK_EVERY / 2
+    events.look()
+    assert events.active  # the next second's look found it, and subscribed
     clock[0] += 1000
-    assert claim() and claim()
-    assert len(looks) == 2, looks  # found once, never asked again
+    events.look()
+    assert len(looks) == 2, looks  # found once, never looked for again
+    traced.close()
+    assert not events.active
+
+
+def test_a_tracer_closed_before_any_sdk_stops_looking(monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+    import time
+    import types
+
+    from workflow import events as events_module
+    from workflow import tracing
+    from workflow.events import Events
+    from workflow.logs import EngineLog
+
+    clock = [100.0]
+    monkeypatch.setattr(events_module, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], time_ns=time.time_ns))
+    monkeypatch.setattr(tracing.trace, "get_tracer_provider", trace.NoOpTracerProvider)
+    events = Events(EngineLog(logging.getLogger("test.tracing")))
+    tracing.Tracing(events).close()
+    monkeypatch.setattr(tracing.trace, "get_tracer_provider", sdk_trace.TracerProvider)
+    clock[0] += 1000
+    events.look()
+    assert not events.active

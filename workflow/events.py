@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 import uuid
 from collections.abc import Callable
 
@@ -160,6 +161,9 @@ Event = (
 
 Subscriber = Callable[[Event], None]
 
+LOOK_EVERY = 1.0
+"""The shortest time, in seconds, between two calls of the lookouts (`Events.watch`)."""
+
 
 class Events:
     """A manager's announcements: `subscribe(fn)`, then `fn(event)` for each event."""
@@ -170,6 +174,8 @@ class Events:
         self._lock = threading.Lock()
         self.active = False
         """True while anyone listens: check it before building an event."""
+        self._lookouts: tuple[Callable[[], object], ...] = ()
+        self._next_look = -float("inf")  # monotonic
 
     def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
         """Call `subscriber(event)` for every event from now on; returns the unsubscribe."""
@@ -183,6 +189,35 @@ class Events:
             self._subscribers = (*self._subscribers, subscriber)
             self.active = True
         return unsubscribe
+
+    def watch(self, lookout: Callable[[], object]) -> Callable[[], None]:
+        """Call `lookout()` from `look()` at most every `LOOK_EVERY` seconds, until the
+        returned stop is called: for a would-be subscriber with nothing to do yet (a
+        tracer without an SDK), which subscribes once it has, while no event is built
+        for it meanwhile. Lookouts may be called from several threads at once."""
+
+        def stop() -> None:
+            with self._lock:
+                self._lookouts = tuple(w for w in self._lookouts if w is not lookout)
+
+        with self._lock:
+            self._lookouts = (*self._lookouts, lookout)
+        return stop
+
+    def look(self) -> None:
+        """Call the lookouts when their time has come (the executor calls this as each
+        execution begins); an exception of one is logged, never raised."""
+        if not self._lookouts:
+            return
+        now = time.monotonic()
+        if now < self._next_look:
+            return
+        self._next_look = now + LOOK_EVERY
+        for lookout in self._lookouts:
+            try:
+                lookout()
+            except Exception:
+                self._log.exception("an event lookout raised")
 
     def emit(self, event: Event) -> None:
         """Hand `event` to every subscriber; an exception of one is logged, never raised."""

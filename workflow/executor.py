@@ -186,6 +186,7 @@ class Executor:
         _executing.current = (self, run.id)
         try:
             try:
+                self.events.look()
                 if self.events.active:
                     self.events.emit(
                         RunClaimed(

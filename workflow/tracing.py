@@ -18,12 +18,10 @@ default) subscribes a `Tracing` to its events, which turns them into spans:
   conventions advise for work that is processed later.
 
 Park and cancel are span events (`workflow.parked`, `workflow.cancelled`). With
-the API but no SDK configured (no tracer provider set when a run's execution
-begins), nothing is built for that run: a dict miss per event. The provider is
-looked for at most every `SDK_LOOK` seconds until one is found (the API's own
-look reads the environment, a cost a worker paid on every run), so a provider
-configured after the manager started traces the runs claimed from at most that
-long after.
+the API but no SDK configured (no tracer provider set), the manager's events have
+no subscriber for tracing, so none is built for it: as executions begin, it looks
+for a provider at most every `events.LOOK_EVERY` seconds, and subscribes once one
+is configured. An execution that began before then is not traced.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from workflow.events import (
@@ -63,8 +62,6 @@ else:
 __all__ = ["Tracing", "available", "capture"]
 
 _INSTRUMENTATION = "workflow"
-SDK_LOOK = 1.0
-"""Seconds between two looks for a configured tracer provider while none is."""
 _FAILED = (Outcome.FAILED, Outcome.TIMED_OUT)
 
 
@@ -118,13 +115,37 @@ class Tracing:
             raise RuntimeError("workflow.tracing needs opentelemetry-api (pgworkflow[otel])")
         self._tracer = trace.get_tracer(_INSTRUMENTATION)
         self._local = threading.local()
-        self._sdk = False  # a provider was seen: it stays (the API sets one only once)
-        self._look_after = -float("inf")  # monotonic: no look for a provider before
-        self._unsubscribe = events.subscribe(self._on_event)
+        self._events = events
+        self._lock = threading.Lock()
+        self._closed = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._stop_looking: Callable[[], None] | None = None
+        if not self._look():
+            with self._lock:  # a look from another thread waits for the stop to be kept
+                self._stop_looking = events.watch(self._look)
 
     def close(self) -> None:
         """Stop making spans."""
-        self._unsubscribe()
+        with self._lock:
+            self._closed = True
+            for stop in (self._stop_looking, self._unsubscribe):
+                if stop is not None:
+                    stop()
+            self._stop_looking = self._unsubscribe = None
+
+    def _look(self) -> bool:
+        """Subscribe to the events once a tracer provider (an SDK) is configured (the API
+        sets one only once: it stays); whether subscribed (or closed)."""
+        with self._lock:
+            if self._closed or self._unsubscribe is not None:
+                return True
+            if isinstance(trace.get_tracer_provider(), _NO_SDK):
+                return False
+            self._unsubscribe = self._events.subscribe(self._on_event)
+            if self._stop_looking is not None:
+                self._stop_looking()
+                self._stop_looking = None
+            return True
 
     def _executions(self) -> dict[uuid.UUID, _Execution]:
         executions: dict[uuid.UUID, _Execution] | None = getattr(self._local, "runs", None)
@@ -144,23 +165,7 @@ class Tracing:
         elif isinstance(event, ExecutionEnded):
             self._ended(event)
 
-    def _configured(self) -> bool:
-        """Whether a tracer provider (an SDK) is configured, looked for at most every
-        `SDK_LOOK` seconds until it is."""
-        if self._sdk:
-            return True
-        now = time.monotonic()
-        if now < self._look_after:
-            return False
-        if isinstance(trace.get_tracer_provider(), _NO_SDK):
-            self._look_after = now + SDK_LOOK
-            return False
-        self._sdk = True
-        return True
-
     def _claimed(self, event: RunClaimed) -> None:
-        if not self._configured():
-            return  # no SDK configured (yet): nothing would be recorded, build nothing
         execution = _Execution()
         self._executions()[event.run_id] = execution
         stored = _stored(event.traceparent, event.tracestate)
