@@ -701,7 +701,8 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
     print("  per job over the drain: write transactions and WAL bytes (server-wide; own: this"
           " database's, from the WAL),\n  server CPU ms (every postgres process; db: this"
           " database's backends); cons CPU: the consumer processes' own CPU ms\n  (user+system,"
-          " from their release to the drain's end); enq/s: the one-commit-per-job insert;\n"
+          " from their release to the drain's end; with --start cold, from their launch);"
+          " enq/s: the one-commit-per-job insert;\n"
           "  conns: peak"
           " connections to the bench database")
     peers = [peer for peer in names if peer != "pgworkflow"]

@@ -221,6 +221,7 @@ def _check_shape(document: Any, tp: Any, path: str, keys: bool = True) -> None:
 
 _ShapeCheck = typing.Callable[[Any, str, bool], None]
 _SHAPE_CHECKS: dict[Any, _ShapeCheck | None] = {}
+_SHAPE_CHECKS_KEPT = 1024
 
 
 def _shape_check(tp: Any) -> _ShapeCheck | None:
@@ -230,6 +231,8 @@ def _shape_check(tp: Any) -> _ShapeCheck | None:
     try:
         return _SHAPE_CHECKS[tp]
     except KeyError:
+        if len(_SHAPE_CHECKS) >= _SHAPE_CHECKS_KEPT:  # types made at run time: start over
+            _SHAPE_CHECKS.clear()
         check = _SHAPE_CHECKS[tp] = _build_shape_check(tp)
         return check
     except TypeError:  # a type form that cannot be hashed: built each time

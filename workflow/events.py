@@ -194,7 +194,8 @@ class Events:
         """Call `lookout()` from `look()` at most every `LOOK_EVERY` seconds, until the
         returned stop is called: for a would-be subscriber with nothing to do yet (a
         tracer without an SDK), which subscribes once it has, while no event is built
-        for it meanwhile. Lookouts may be called from several threads at once."""
+        for it meanwhile. Lookouts may be called from several threads at once, and a
+        look already under way may call one once more after its stop."""
 
         def stop() -> None:
             with self._lock:

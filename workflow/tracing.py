@@ -21,7 +21,8 @@ Park and cancel are span events (`workflow.parked`, `workflow.cancelled`). With
 the API but no SDK configured (no tracer provider set), the manager's events have
 no subscriber for tracing, so none is built for it: as executions begin, it looks
 for a provider at most every `events.LOOK_EVERY` seconds, and subscribes once one
-is configured. An execution that began before then is not traced.
+is configured: within about that long of its configuration. An execution that
+began before then is not traced.
 """
 
 from __future__ import annotations
