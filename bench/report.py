@@ -214,16 +214,18 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
         "or last batch does not move. Per job over the drain: write transactions (xids "
         "assigned) server-wide and own (the bench database's alone, read from the WAL with "
         "pg_walinspect), WAL bytes (own), server CPU (every `postgres` process; other work on "
-        "the machine leaks in). Every job must complete exactly once or the measurement fails. "
+        "the machine leaks in), consumer CPU (the consumer processes' own user+system CPU from "
+        "their release to the drain's end; — in runs made before it was measured). Every job must complete exactly once or the measurement fails. "
         f"Medians over {n_rounds} round(s) (range of jobs/s in brackets when there are several); "
         "the ratios are taken within a round, then medianed."
     )
     w("")
     w(
         "| consumers | system | jobs/s | p10–90 jobs/s | write xacts/job (server) "
-        "| write xacts/job (own) | WAL bytes/job (own) | server CPU ms/job |"
+        "| write xacts/job (own) | WAL bytes/job (own) | server CPU ms/job "
+        "| consumer CPU ms/job |"
     )
-    w("|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|")
     for c in cs:
         for x in systems:
             if (x, c) not in by:
@@ -234,7 +236,8 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
                 f"| {_f(med(x, c, 'write_xacts_per_job'), 2)} "
                 f"| {_f(med(x, c, 'own_write_xacts_per_job'), 2)} "
                 f"| {_f(med(x, c, 'own_wal_bytes_per_job'))} "
-                f"| {_f(med(x, c, 'server_cpu_ms_per_job'), 3)} |"
+                f"| {_f(med(x, c, 'server_cpu_ms_per_job'), 3)} "
+                f"| {_f(med(x, c, 'consumer_cpu_ms_per_job'), 3)} |"
             )
     w("")
     peers = [x for x in BACKLOG_PEERS if x in systems]
