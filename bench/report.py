@@ -215,7 +215,8 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
         "assigned) server-wide and own (the bench database's alone, read from the WAL with "
         "pg_walinspect), WAL bytes (own), server CPU (every `postgres` process; other work on "
         "the machine leaks in), consumer CPU (the consumer processes' own user+system CPU from "
-        "their release to the drain's end; — in runs made before it was measured). Every job must complete exactly once or the measurement fails. "
+        "their release to the drain's end; — in runs made before it was measured). Every job "
+        "must complete exactly once or the measurement fails. "
         f"Medians over {n_rounds} round(s) (range of jobs/s in brackets when there are several); "
         "the ratios are taken within a round, then medianed."
     )

@@ -339,74 +339,80 @@ print("ok")
     assert proc.stdout.strip() == "ok"
 
 
+@pytest.fixture
+def look_clock(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The monotonic clock `Events.look` reads (workflow.events only), set by the test."""
+    import time
+    import types
+
+    from workflow import events as events_module
+
+    clock = [100.0]
+    monkeypatch.setattr(events_module, "time", types.SimpleNamespace(
+        monotonic=lambda: clock[0], time_ns=time.time_ns))
+    return clock
+
+
+def _events() -> Any:
+    import logging
+
+    from workflow.events import Events
+    from workflow.logs import EngineLog
+
+    return Events(EngineLog(logging.getLogger("test.tracing")))
+
+
 def test_without_an_sdk_no_event_is_built_for_tracing_until_a_provider_is_set(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, look_clock: list[float]
 ) -> None:
     """With the API and no SDK, tracing used to subscribe anyway: every execution built
     and dispatched its events, and every claim asked the API for its provider (which
     reads the environment). Now the events stay inactive; as executions begin
     (`Events.look`), the provider is looked for at most every `LOOK_EVERY` seconds,
     and once one is set tracing subscribes and stops looking."""
-    import logging
-    import time
-    import types
-
-    from workflow import events as events_module
     from workflow import tracing
-    from workflow.events import Events
-    from workflow.logs import EngineLog
+    from workflow.events import LOOK_EVERY
 
     provider: list[Any] = [trace.NoOpTracerProvider()]
     looks: list[float] = []
-    clock = [100.0]
 
     def get_tracer_provider() -> Any:
-        looks.append(clock[0])
+        looks.append(look_clock[0])
         return provider[0]
 
     monkeypatch.setattr(tracing.trace, "get_tracer_provider", get_tracer_provider)
-    monkeypatch.setattr(events_module, "time", types.SimpleNamespace(
-        monotonic=lambda: clock[0], time_ns=time.time_ns))
-    events = Events(EngineLog(logging.getLogger("test.tracing")))
+    events = _events()
     traced = tracing.Tracing(events)
     assert len(looks) == 2, looks  # the API's get_tracer, then tracing's own look
     looks.clear()
     assert not events.active
     events.look()
     events.look()
-    clock[0] += events_module.LOOK_EVERY / 2
+    look_clock[0] += LOOK_EVERY / 2
     events.look()
     assert looks == [100.0] and not events.active, looks  # one look in the first second
     provider[0] = sdk_trace.TracerProvider()
     events.look()
     assert not events.active  # not time yet
-    clock[0] += events_module.LOOK_EVERY / 2
+    look_clock[0] += LOOK_EVERY / 2
     events.look()
     assert events.active  # the next second's look found it, and subscribed
-    clock[0] += 1000
+    look_clock[0] += 1000
     events.look()
     assert len(looks) == 2, looks  # found once, never looked for again
     traced.close()
     assert not events.active
 
 
-def test_a_tracer_closed_before_any_sdk_stops_looking(monkeypatch: pytest.MonkeyPatch) -> None:
-    import logging
-    import time
-    import types
-
-    from workflow import events as events_module
+def test_a_tracer_closed_before_any_sdk_stops_looking(
+    monkeypatch: pytest.MonkeyPatch, look_clock: list[float]
+) -> None:
     from workflow import tracing
-    from workflow.events import Events
-    from workflow.logs import EngineLog
 
-    clock = [100.0]
-    monkeypatch.setattr(events_module, "time", types.SimpleNamespace(
-        monotonic=lambda: clock[0], time_ns=time.time_ns))
     monkeypatch.setattr(tracing.trace, "get_tracer_provider", trace.NoOpTracerProvider)
-    events = Events(EngineLog(logging.getLogger("test.tracing")))
+    events = _events()
     tracing.Tracing(events).close()
     monkeypatch.setattr(tracing.trace, "get_tracer_provider", sdk_trace.TracerProvider)
-    clock[0] += 1000
+    look_clock[0] += 1000
     events.look()
     assert not events.active

@@ -255,9 +255,13 @@ def _build_shape_check(tp: Any) -> _ShapeCheck | None:
     return None
 
 
+def _require(document: Any, kind: type, what: str, path: str) -> None:
+    if not isinstance(document, kind):
+        raise _ShapeError(f"{path}: expected {what}, not {_json_type(document)}")
+
+
 def _check_fixed_array(args: tuple[Any, ...], document: Any, path: str, keys: bool) -> None:
-    if not isinstance(document, list):
-        raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
+    _require(document, list, "an array", path)
     if len(document) != len(args):
         raise _ShapeError(f"{path}: expected {len(args)} items, not {len(document)}")
     for i, (item, arg) in enumerate(zip(document, args, strict=True)):
@@ -265,8 +269,7 @@ def _check_fixed_array(args: tuple[Any, ...], document: Any, path: str, keys: bo
 
 
 def _check_array(item_tp: Any, document: Any, path: str, keys: bool) -> None:
-    if not isinstance(document, list):
-        raise _ShapeError(f"{path}: expected an array, not {_json_type(document)}")
+    _require(document, list, "an array", path)
     check = None if item_tp is None else _shape_check(item_tp)
     if check is not None:
         for i, item in enumerate(document):
@@ -274,8 +277,7 @@ def _check_array(item_tp: Any, document: Any, path: str, keys: bool) -> None:
 
 
 def _check_object(value_tp: Any, document: Any, path: str, keys: bool) -> None:
-    if not isinstance(document, dict):
-        raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
+    _require(document, dict, "an object", path)
     check = None if value_tp is None else _shape_check(value_tp)
     if check is not None:
         for key, item in document.items():
@@ -283,18 +285,13 @@ def _check_object(value_tp: Any, document: Any, path: str, keys: bool) -> None:
 
 
 def _check_record(tp: type, document: Any, path: str, keys: bool) -> None:
-    if not isinstance(document, dict):
-        raise _ShapeError(f"{path}: expected an object, not {_json_type(document)}")
+    _require(document, dict, "an object", path)
     hints = _hints(tp)
     for key, item in document.items():
-        hint = hints.get(key, _NO_HINT)
-        if hint is not _NO_HINT:
-            check = _shape_check(hint)
-            if check is not None:
-                check(item, f"{path}.{key}", keys)
-
-
-_NO_HINT = object()
+        hint = hints.get(key)  # get_type_hints gives NoneType, never None, for `None`
+        check = None if hint is None else _shape_check(hint)
+        if check is not None:
+            check(item, f"{path}.{key}", keys)
 
 
 def decode(document: Any, tp: Any, *, redact: bool = False) -> Any:
