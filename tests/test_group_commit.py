@@ -553,7 +553,8 @@ def statements(db: psycopg.Connection[Any], text: str = "", *, waiting: bool = F
     return int(row[0])
 
 
-UNNESTED = "SELECT * FROM unnest("  # complete_tasks(_claiming) and insert_runs, not alone writes
+# The fence of complete_tasks(_claiming) and insert_runs; no write made alone has it.
+COMBINED = ") AS held"
 
 
 def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
@@ -581,14 +582,14 @@ def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
         wait_until(lambda: group.queued == len(queued), "the other writes queued")
         blocker.execute(*block)
         holder.rollback()
-        wait_until(lambda: statements(db, UNNESTED, waiting=True) > 0,
+        wait_until(lambda: statements(db, COMBINED, waiting=True) > 0,
                    "the combined write on a lock")
         proxy.cut_all()
         # The writers go on: something of theirs waits on a lock too (a write made alone
         # on the blocker's or the combined write's, or a wait for the combined write).
         wait_until(lambda: statements(db, waiting=True) >= 2, "the writers going on to wait")
         if block_for_good:
-            wait_until(lambda: statements(db, UNNESTED) == 0, "the combined write ended")
+            wait_until(lambda: statements(db, COMBINED) == 0, "the combined write ended")
         blocker.rollback()
     for thread in threads:
         thread.join(timeout=30)

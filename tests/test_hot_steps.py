@@ -121,18 +121,17 @@ def test_the_deletion_trigger_finds_the_tasks_whatever_the_search_path(
 
 
 def _claim_part(sql: str) -> str:
-    """A claim statement's CTEs from `pick` to the end of `claimed`, its claim ids named alike
-    and without the combined write's fence."""
+    """A claim statement's CTEs from `pick` to the end of `claimed`, without the combined
+    write's fence."""
     begin = sql.index("pick AS (")
     end = sql.index("r.tracestate, r.concurrency_key\n)", begin)
-    part = sql[begin:end].replace("%(new_claims)s", "%(claims)s")
-    return part.replace("      AND (SELECT held FROM fence) IS NOT NULL\n", "")
+    return sql[begin:end].replace("      AND (SELECT held FROM given) IS NOT NULL\n", "")
 
 
 def _step_part(sql: str) -> str:
     """A combined step statement from `step` to the tasks' update, spaced alike (the
-    claiming one names that update `done`)."""
-    begin = sql.index("WITH fence AS (")
+    claiming one names that update `done`; its `given` row has the claim's parameters too)."""
+    begin = sql.index("), step AS (")
     end = sql.index("WHERE t.run_id = run.id AND t.seq = run.seq", begin)
     return " ".join(sql[begin:end].split()).replace("), done AS (", ")")
 
