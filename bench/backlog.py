@@ -50,11 +50,19 @@ Every job must have completed exactly once (N completions of N distinct jobs,
 none failed, retried or picked twice) or the measurement fails. Then the
 consumers get SIGTERM (kill after 15 s).
 
+`--analyze`: the bench database is analysed (`ANALYZE`, every table) after the
+insert and before the counters are read, for every system alike: the drain then
+meets the statistics of a table that has lived a while (autovacuum analyses a
+table once a tenth of it has changed), where without it every drain is of a
+table filled moments ago, which no statistics describe yet. pgworkflow plans
+differently on the two (its combined statements keep one plan per connection
+either way since 8a54b7b; before, only on a table without statistics).
+
 Each round runs every C, and for each C the systems in a rotating order.
 Medians over rounds; the ratios pgworkflow/peer are per round, then medianed.
 
     PYTHONPATH=. python bench/backlog.py [--n 3000] [--consumers 1,4,8] [--rounds 2]
-        [--systems pgworkflow,pgqueuer,procrastinate] [--start warm|cold|frozen]
+        [--systems pgworkflow,pgqueuer,procrastinate] [--start warm|cold|frozen] [--analyze]
 
 The peers' virtualenvs are bench/.venvs/pgqueuer and bench/.venvs/procrastinate,
 created on first use from bench/peers/<name>/requirements.txt (as run_all.py does).
@@ -544,16 +552,17 @@ def completions(system: System, conn: Any, n: int) -> dict[str, Any]:
 
 
 def measure(system: System, c: int, n: int, start: str, timeout: float,
-            wal: WalReader) -> dict[str, Any]:
+            wal: WalReader, analyze: bool = False) -> dict[str, Any]:
     import psycopg
 
     system.install()
     with psycopg.connect(system.url, autocommit=True) as admin:
         counters = Counters(admin, (wal.pid,))
         result: dict[str, Any] = {"bench": "backlog", "system": system.name, "consumers": c,
-                                  "n": n, "start": start, "concurrency": system.concurrency}
+                                  "n": n, "start": start, "concurrency": system.concurrency,
+                                  "analyze": analyze}
         if start == "cold":
-            before = _insert(system, admin, counters, n, result, wal)
+            before = _insert(system, admin, counters, n, result, wal, analyze)
             with consumers(system, c) as procs:
                 # Cold: the consumers' start-up is in their CPU too.
                 _drain(system, admin, counters, procs, n, timeout, before, result, wal, 0.0)
@@ -562,7 +571,7 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
             result["startup_s"] = wait_idle(system, admin, procs, in_db=start == "frozen")
             if start == "frozen":
                 _signal_all(procs, signal.SIGSTOP)
-            before = _insert(system, admin, counters, n, result, wal)
+            before = _insert(system, admin, counters, n, result, wal, analyze)
             consumer_cpu = sum(_tree_cpu(procs))
             if start == "frozen":
                 _signal_all(procs, signal.SIGCONT)
@@ -574,12 +583,15 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
 
 
 def _insert(system: System, admin: Any, counters: Counters, n: int,
-            result: dict[str, Any], wal: WalReader) -> dict[str, Any]:
-    """Insert the backlog, check it is all there and waiting; the counters after it."""
+            result: dict[str, Any], wal: WalReader, analyze: bool) -> dict[str, Any]:
+    """Insert the backlog, check it is all there and waiting (and `analyze` the database);
+    the counters after it."""
     result["enqueue_jobs_per_s"] = n / system.enqueue(n)
     waiting, total = admin.execute(WAITING_SQL[system.name]).fetchone()
     if waiting != n or total != n:
         raise RuntimeError(f"{system.name}: backlog has {waiting} waiting of {total}, want {n}")
+    if analyze:
+        admin.execute("ANALYZE")
     wal.hold()
     before = counters.read()
     wal.start(before["lsn"], f"bench_backlog_{system.name}")
@@ -614,6 +626,8 @@ def main() -> None:
                    help="pgworkflow's and Procrastinate's per-process concurrency (16)")
     p.add_argument("--start", choices=["warm", "cold", "frozen"], default="warm",
                    help="how the consumers start (see the module's doc): warm")
+    p.add_argument("--analyze", action="store_true",
+                   help="analyse the bench database after the insert (see the module's doc)")
     p.add_argument("--timeout", type=float, default=240, help="seconds allowed per drain")
     args = p.parse_args()
     unknown = set(args.systems) - set(SYSTEMS)
@@ -632,7 +646,8 @@ def main() -> None:
             k += 1
             for name in order:
                 try:
-                    res = measure(systems[name], c, args.n, args.start, args.timeout, wal)
+                    res = measure(systems[name], c, args.n, args.start, args.timeout, wal,
+                                  args.analyze)
                 except Exception as e:
                     failures += 1
                     log(f"round {r + 1} C={c} {name}: FAILED: {e}")
@@ -670,6 +685,7 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
         medians[(name, c)] = med
         row: dict[str, Any] = {"bench": "backlog", "system": name, "consumers": c,
                                "n": args.n, "rounds": len(runs), "start": args.start,
+                               "analyze": args.analyze,
                                "concurrency": args.concurrency, **med,
                                **{f"{key}_rounds": [run[key] for run in runs] for key in KEYS}}
         if name == "pgworkflow":
@@ -681,7 +697,8 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
                         for a in runs for b in samples[(peer, c)] if a["round"] == b["round"]]
         emit(row)
     print(f"\nworker backlog: N={args.n} one-task jobs inserted one commit each, drained by C "
-          f"consumer processes (start: {args.start}); medians of {args.rounds} round(s)")
+          f"consumer processes (start: {args.start}{', analysed' if args.analyze else ''}); "
+          f"medians of {args.rounds} round(s)")
     print(f"{'system':<14}{'C':>3}{'jobs/s':>8}{'p10-90':>8}{'xacts':>7}{'own':>6}{'WAL B':>8}"
           f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'cons CPU':>9}{'enq/s':>7}{'conns':>6}")
     for c in args.consumers:
