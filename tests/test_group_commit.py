@@ -366,6 +366,10 @@ def test_a_queued_step_interrupted_while_it_waits_still_makes_the_queue_it_is_ha
     held = Held(store, db_url)
     main = threading.main_thread().ident
     assert main == threading.get_ident(), "signals reach the main thread only"
+    # Ctrl-C's own handler, whatever the suite was started from: a background job of a
+    # non-interactive shell (`cmd &` in a script) starts with SIGINT ignored, and Python
+    # then leaves it ignored.
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def interrupt_then_let_go() -> None:
         wait_until(lambda: store.steps.queued == 1, "the main thread's step queued")
@@ -383,6 +387,8 @@ def test_a_queued_step_interrupted_while_it_waits_still_makes_the_queue_it_is_ha
         helper.join(timeout=30)
     finally:
         held.close()
+        if handler is not None:  # None: a handler not set from Python, left as it was
+            signal.signal(signal.SIGINT, handler)
     assert first.matched is True
     assert run_row(db, mine.run_id) == (2, "running", True, [OUTPUT, None, None])
     assert (store.steps.in_flight, store.steps.queued) == (0, 0)
