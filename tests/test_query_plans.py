@@ -744,9 +744,9 @@ def test_the_plan_kept_finds_runs_by_index(
 ) -> None:
     """The plan kept without the parameters' values reads no table whole, on a long
     history with statistics, on a backlog with statistics, and on a backlog inserted moments
-    ago without any: it estimates
-    one step or claim (a LIMIT it cannot read is a tenth of its input), so the runs are
-    found by primary key, and the claim goes through the ready index."""
+    ago without any: it estimates one step or claim (a LIMIT it cannot read is a tenth of
+    its input), so the runs are found by primary key, and the claim goes through the ready
+    index."""
     conn: psycopg.Connection[Any] = request.getfixturevalue(database)
     scans = _scans(_generic_plan(conn, statement, _params_of(statement, 16)))
     _assert_no_seq_scan(scans)

@@ -437,20 +437,20 @@ RETURNING t.seq, run.woke;
 -- looks again. One that had not got that far (still on its way, or waiting for a table lock) is not waited
 -- for: a write made again before it commits then recognises it afterwards (a start its own id, a last step its
 -- own release).
--- The parameters are read through `given`, one materialized row (which also takes the fence), so that no
--- estimate depends on their values: PostgreSQL then keeps one generic plan per connection instead of planning
--- every execution anew, as it did while the steps' arrays were constants to it (on tables with statistics:
--- 0.5 ms of planning against 0.3 ms of execution for the fast path's batches, 1.1 ms against 1.7 ms for a
--- worker's 16 finishes and claims, measured with pg_stat_statements). `step`'s LIMIT is the number of steps
--- (it never cuts): PostgreSQL estimates a LIMIT it cannot read at a tenth of its input, one step here, so each
--- run is found by its primary key whatever the table's statistics say. The join alone, on a young table whose
--- statistics are missing or far behind its size, was planned as a read of every run (~0.9 ms a statement on
--- 3,000 runs).
+-- The steps' arrays are read through `given`, one materialized row (which also takes the fence), so that no
+-- estimate depends on their values (the channel does not shape the plan): PostgreSQL then keeps one generic
+-- plan per connection instead of planning every execution anew, as it did while the arrays were constants to
+-- it (on tables with statistics: 0.5 ms of planning against 0.3 ms of execution for the fast path's batches,
+-- 1.1 ms against 1.7 ms for a worker's 16 finishes and claims, measured with pg_stat_statements). `step`'s
+-- LIMIT is the number of steps (it never cuts): PostgreSQL estimates a LIMIT it cannot read at a tenth of its
+-- input, one step here, so each run is found by its primary key whatever the table's statistics say. The
+-- join alone, on a young table whose statistics are missing or far behind its size, was planned as a read of
+-- every run (~0.9 ms a statement on 3,000 runs).
 WITH given AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(%(fence)s) AS held, %(ids)s::uuid[] AS ids, %(claims)s::uuid[] AS claims,
            %(seqs)s::smallint[] AS seqs, %(outputs)s::text[] AS outputs,
            %(next_seqs)s::smallint[] AS next_seqs, %(finishes)s::boolean[] AS finishes,
-           %(wake_keys)s::boolean[] AS wake_keys, %(channel)s::text AS channel
+           %(wake_keys)s::boolean[] AS wake_keys
 ), step AS (
     SELECT s.* FROM given,
          unnest(given.ids, given.claims, given.seqs, given.outputs, given.next_seqs, given.finishes,
@@ -474,7 +474,7 @@ WITH given AS MATERIALIZED (
                                     WHERE w.workflow = r.workflow
                                       AND w.concurrency_key = r.concurrency_key
                                       AND w.finished_at IS NULL AND w.key_slot IS NULL)
-                   THEN pg_notify((SELECT channel FROM given), r.workflow) END AS woke
+                   THEN pg_notify(%(channel)s, r.workflow) END AS woke
 )
 UPDATE workflow_tasks t
 SET output = run.output::jsonb, finished_at = now()
@@ -502,7 +502,7 @@ WITH given AS MATERIALIZED (
     SELECT pg_advisory_xact_lock(%(fence)s) AS held, %(ids)s::uuid[] AS ids, %(claims)s::uuid[] AS claims,
            %(seqs)s::smallint[] AS seqs, %(outputs)s::text[] AS outputs,
            %(next_seqs)s::smallint[] AS next_seqs, %(finishes)s::boolean[] AS finishes,
-           %(wake_keys)s::boolean[] AS wake_keys, %(channel)s::text AS channel,
+           %(wake_keys)s::boolean[] AS wake_keys,
            %(workflows)s::text[] AS workflows, %(limit)s::int AS lim, %(new_claims)s::uuid[] AS new_claims
 ), step AS (
     SELECT s.* FROM given,
@@ -527,7 +527,7 @@ WITH given AS MATERIALIZED (
                                     WHERE w.workflow = r.workflow
                                       AND w.concurrency_key = r.concurrency_key
                                       AND w.finished_at IS NULL AND w.key_slot IS NULL)
-                   THEN pg_notify((SELECT channel FROM given), r.workflow) END AS woke
+                   THEN pg_notify(%(channel)s, r.workflow) END AS woke
 ), done AS (
     UPDATE workflow_tasks t
     SET output = run.output::jsonb, finished_at = now()
