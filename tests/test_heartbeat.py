@@ -304,3 +304,69 @@ def test_a_check_between_the_last_write_and_the_claims_removal_reports_nothing_l
     mgr.close(timeout=10)
     assert checked.is_set()
     assert not [m for m in records.messages() if "claim lost" in m]
+
+
+# --- the claim's cancelled event -----------------------------------------------------
+
+
+def test_a_claim_makes_no_condition_until_its_cancelled_event_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from workflow.heartbeat import Claim
+
+    made: list[object] = []
+    real = threading.Condition
+
+    def counting(*args: Any) -> threading.Condition:
+        condition = real(*args)
+        made.append(condition)
+        return condition
+
+    monkeypatch.setattr(threading, "Condition", counting)
+    claims = [Claim(uuid.uuid4(), uuid.uuid4()) for _ in range(3)]
+    assert made == []  # an untouched claim costs no condition: most never need one
+    claims[0].cancel("cancelled")
+    assert len(made) == 1
+    assert claims[0].cancelled.is_set() and not claims[1].cancelled.is_set()
+
+
+def test_the_cancelled_event_wakes_a_waiter_set_from_another_thread() -> None:
+    from workflow.heartbeat import CancelEvent
+
+    event = CancelEvent()
+    assert isinstance(event, threading.Event)
+    assert not event.is_set()
+    assert event.wait(0.01) is False
+    woke: list[bool] = []
+    waiting = threading.Thread(target=lambda: woke.append(event.wait(30)))
+    waiting.start()
+    threading.Timer(0.05, event.set).start()
+    waiting.join(30)
+    assert woke == [True]
+    assert event.is_set() and event.wait(0) is True
+    event.clear()
+    assert not event.is_set() and event.wait(0) is False
+
+
+def test_first_uses_of_a_cancelled_event_from_many_threads_share_one_condition() -> None:
+    from workflow.heartbeat import CancelEvent
+
+    for _ in range(50):
+        event = CancelEvent()
+        gate = threading.Barrier(8)
+        woke: list[bool] = []
+
+        def waiter(
+            event: CancelEvent = event, gate: threading.Barrier = gate, woke: list[bool] = woke
+        ) -> None:
+            gate.wait()
+            woke.append(event.wait(30))
+
+        threads = [threading.Thread(target=waiter) for _ in range(7)]
+        for thread in threads:
+            thread.start()
+        gate.wait()
+        event.set()
+        for thread in threads:
+            thread.join(30)
+        assert woke == [True] * 7  # none waits on a condition the set never notified
