@@ -348,25 +348,30 @@ def test_the_cancelled_event_wakes_a_waiter_set_from_another_thread() -> None:
     assert not event.is_set() and event.wait(0) is False
 
 
-def test_first_uses_of_a_cancelled_event_from_many_threads_share_one_condition() -> None:
+def test_a_set_during_a_waiters_first_use_wakes_that_waiter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Making a condition is slowed down so that set() comes while the waiter is still
+    # making its own: both make one, and both must end up on the same, or the set
+    # notifies a condition nobody waits on. The sleeps only widen that window; any
+    # order of the two threads must wake the waiter.
     from workflow.heartbeat import CancelEvent
 
-    for _ in range(50):
-        event = CancelEvent()
-        gate = threading.Barrier(8)
-        woke: list[bool] = []
+    event = CancelEvent()
+    woke: list[bool] = []
+    waiting = threading.Thread(target=lambda: woke.append(event.wait(5)))
+    made: list[object] = []
+    real = threading.Condition
 
-        def waiter(
-            event: CancelEvent = event, gate: threading.Barrier = gate, woke: list[bool] = woke
-        ) -> None:
-            gate.wait()
-            woke.append(event.wait(30))
+    def slow(*args: Any) -> threading.Condition:
+        condition = real(*args)
+        made.append(condition)
+        time.sleep(0.05)
+        return condition
 
-        threads = [threading.Thread(target=waiter) for _ in range(7)]
-        for thread in threads:
-            thread.start()
-        gate.wait()
-        event.set()
-        for thread in threads:
-            thread.join(30)
-        assert woke == [True] * 7  # none waits on a condition the set never notified
+    monkeypatch.setattr(threading, "Condition", slow)
+    waiting.start()
+    time.sleep(0.01)
+    event.set()
+    waiting.join(10)
+    assert woke == [True]

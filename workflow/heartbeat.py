@@ -33,9 +33,6 @@ CHECK_EVERY = 1.0
 handler sees `cancelled` within about a second of its run being cancelled."""
 
 
-_MAKING = threading.Lock()
-
-
 class CancelEvent(threading.Event):
     """A `threading.Event` that makes its condition (a lock and a waiters' queue) only
     when first waited on, set or cleared.
@@ -44,21 +41,22 @@ class CancelEvent(threading.Event):
     mostly end without a deadline passing, a cancel or a shutdown, and most handlers
     never wait on `cancelled`. Making an Event's condition costs about 3 us, a few
     per cent of the Python a worker spends on a one-task job. `is_set()` reads the
-    flag, as an Event's does; every other method is the Event's own, through `_cond`.
+    flag, as an Event's does; every other method is the Event's own, which reaches
+    the condition through `_cond` and the flag through `_flag` (so in CPython 3.10 to
+    3.13; tests/test_heartbeat.py fails should that change).
     """
 
     def __init__(self) -> None:  # not the Event's: its condition is what costs
         self._flag = False
-        self._made: threading.Condition | None = None
 
     @property
     def _cond(self) -> threading.Condition:
-        made = self._made
+        made: threading.Condition | None = self.__dict__.get("_made")
         if made is None:
-            with _MAKING:  # two threads' first uses at once make one condition
-                made = self._made
-                if made is None:
-                    made = self._made = threading.Condition(threading.Lock())
+            # Threads making their first use at once may each make one, but setdefault
+            # stores only the first and hands it to all. No lock of the module's: one
+            # held by another thread at a fork() would stay held in the child.
+            made = self.__dict__.setdefault("_made", threading.Condition(threading.Lock()))
         return made
 
 
