@@ -189,7 +189,8 @@ ORDER BY t.seq;
 -- (0.7 ms of planning against 0.4 ms of execution). A LIMIT it cannot read is estimated at a tenth of its
 -- input, which made that plan read every run to join the picked ones; `numbered` takes the picked ids
 -- from an array (estimated at 10) under the same LIMIT (so at one), and each run is found by its primary
--- key, numbered in the claim's order.
+-- key, numbered in the claim's order. The workflows' cast is not idle: without it, ANY would compare with
+-- the rows of its subquery (each an array) instead of the elements of the one array it returns.
 WITH given AS MATERIALIZED (
     SELECT %(workflows)s::text[] AS workflows, %(limit)s::int AS lim, %(claims)s::uuid[] AS new_claims
 ), pick AS (
