@@ -46,31 +46,43 @@ def store(pool: ConnectionPool[Any], logs: tuple[logging.Logger, Records]) -> St
 
 
 class Step:
-    """One run's step as the executor records it, and what `complete_task` answered.
-
-    `asks`: a finishing step that asks for a run of these workflows to go on with
-    (`finish_and_claim`, as a worker thread's is); `claimed` is what it got."""
+    """One run's step as the executor records it, and what `complete_task` answered."""
 
     def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, seq: int = 1,
-                 finishes: bool = False, output: str | None = OUTPUT,
-                 asks: tuple[str, ...] = ()) -> None:
+                 finishes: bool = False, output: str | None = OUTPUT) -> None:
         self.run_id, self.claim_id, self.seq = run_id, claim_id, seq
-        self.finishes, self.output, self.asks = finishes or bool(asks), output, asks
+        self.finishes, self.output = finishes, output
         self.matched: bool | None = None
-        self.claimed: ClaimedRun | None = None
         self.error: BaseException | None = None
 
     def write(self, store: Store) -> None:
         try:
             next_seq = 4 if self.finishes else self.seq + 1
-            if self.asks:
-                self.matched, self.claimed = store.finish_and_claim(
-                    self.run_id, self.claim_id, self.seq, self.output, next_seq, self.asks
-                )
-            else:
-                self.matched = store.complete_task(
-                    self.run_id, self.claim_id, self.seq, self.output, next_seq, self.finishes
-                )
+            self.matched = store.complete_task(
+                self.run_id, self.claim_id, self.seq, self.output, next_seq, self.finishes
+            )
+        except BaseException as e:
+            self.error = e
+
+
+class Finishes:
+    """A worker completer's batch of finishing steps (`Store.finish_runs`), claiming up
+    to `claim` runs of W; what it answered and claimed, or raised."""
+
+    def __init__(self, steps: list[tuple[uuid.UUID, uuid.UUID]], claim: int,
+                 outputs: dict[int, str] | None = None) -> None:
+        self.params = [
+            Store.step_params(run_id, claim_id, 1, (outputs or {}).get(i, OUTPUT), 4, True)
+            for i, (run_id, claim_id) in enumerate(steps)
+        ]
+        self.claim = claim
+        self.answers: list[bool | Exception] = []
+        self.claimed: list[ClaimedRun] = []
+        self.error: BaseException | None = None
+
+    def write(self, store: Store) -> None:
+        try:
+            self.answers, self.claimed = store.finish_runs(self.params, ["W"], self.claim)
         except BaseException as e:
             self.error = e
 
@@ -191,59 +203,71 @@ def test_a_stale_claims_step_sharing_a_batch_with_the_live_claims_step_of_its_ru
     assert run_row(db, run_id) == (2, "running", True, [OUTPUT, None, None])
 
 
-def test_finishing_steps_that_ask_for_a_next_run_claim_it_in_the_same_commit(
-    store: Store, db: psycopg.Connection[Any], db_url: str
+def test_finishes_written_together_claim_the_runs_taking_their_place_in_the_same_commit(
+    store: Store, db: psycopg.Connection[Any]
 ) -> None:
-    """Worker threads whose runs finish together each get a run of their own to go on
-    with, oldest first, claimed by the statement and commit that wrote their steps; a
-    step that asks nothing gets nothing, and one whose claim is stale is refused but
-    still gets its run (its thread executes it)."""
-    runs = [insert_claimed_run(db) for _ in range(5)]
+    """A worker's completer writes its runs' finishes in one statement that claims, in
+    the same commit, the oldest runs waiting, as many as it asks for: each finish learns
+    whether its own claim matched (a stale one is refused, the others are not), and the
+    runs claimed are held and snapshotted as a poller's claim returns them."""
+    runs = [insert_claimed_run(db) for _ in range(3)]
     waiting = [insert_waiting_run(db) for _ in range(5)]
     insert_waiting_run(db, "Other")  # not of the workflows asked for
-    askers = [Step(*runs[1], asks=("W",)), Step(*runs[3], asks=("W",))]
-    stale = Step(runs[4][0], uuid.uuid4(), asks=("W",))
-    plain = Step(*runs[2], finishes=True)
-    write_combined(store, db_url, Step(*runs[0]), [askers[0], plain, askers[1], stale])
-    assert [s.error for s in (*askers, plain, stale)] == [None] * 4
-    assert [s.matched for s in (*askers, plain, stale)] == [True, True, True, False]
-    assert plain.claimed is None
-    got = [s.claimed for s in (*askers, stale)]
-    assert all(run is not None for run in got)
-    assert [run.id for run in got if run is not None] == waiting[:3]
-    for run in got:
-        assert run is not None
+    stale = (insert_claimed_run(db)[0], uuid.uuid4())
+    batch = Finishes([runs[0], stale, runs[1], runs[2]], claim=3)
+    batch.write(store)
+    assert batch.error is None
+    assert batch.answers == [True, False, True, True]
+    assert [run.id for run in batch.claimed] == waiting[:3]
+    for run in batch.claimed:
         assert claim_of(db, run.id) == (run.claim_id, None, 0)
         assert [t.seq for t in run.tasks] == [1, 2, 3]
-    # One commit wrote the steps and the claims.
-    assert len(writers(db, [runs[1][0], runs[3][0], *waiting[:3]])) == 1
+    for run_id, _ in runs:
+        assert run_row(db, run_id) == (4, "succeeded", False, [OUTPUT, None, None])
+    assert claim_of(db, stale[0])[0] is not None  # the stale finish touched nothing
+    # One commit wrote the finishes and the claims.
+    assert len(writers(db, [*(run_id for run_id, _ in runs), *waiting[:3]])) == 1
     assert [claim_of(db, run_id)[0] for run_id in waiting[3:]] == [None, None]
 
 
-def test_steps_asking_for_more_runs_than_wait_share_what_there_is(
-    store: Store, db: psycopg.Connection[Any], db_url: str
+def test_finishes_asking_for_more_runs_than_wait_get_what_there_is(
+    store: Store, db: psycopg.Connection[Any]
 ) -> None:
-    runs = [insert_claimed_run(db) for _ in range(4)]
+    runs = [insert_claimed_run(db) for _ in range(3)]
     waiting = insert_waiting_run(db)
-    askers = [Step(*run, asks=("W",)) for run in runs[1:]]
-    write_combined(store, db_url, Step(*runs[0]), askers)
-    assert [s.matched for s in askers] == [True] * 3
-    claimed = [s.claimed.id for s in askers if s.claimed is not None]
-    assert claimed == [waiting]
+    batch = Finishes(runs, claim=3)
+    batch.write(store)
+    assert batch.answers == [True] * 3
+    assert [run.id for run in batch.claimed] == [waiting]
 
 
-def test_a_failed_combined_write_that_asked_for_runs_claims_none(
-    store: Store, db: psycopg.Connection[Any], db_url: str
+def test_finishes_claiming_nothing_are_written_without_a_claim(
+    store: Store, db: psycopg.Connection[Any]
 ) -> None:
-    """A row the server refuses fails the statement before its commit: the steps are
-    written one by one, and a step written alone claims nothing (the poller claims)."""
+    runs = [insert_claimed_run(db) for _ in range(2)]
+    waiting = insert_waiting_run(db)
+    batch = Finishes(runs, claim=0)
+    batch.write(store)
+    assert (batch.answers, batch.claimed) == ([True, True], [])
+    assert claim_of(db, waiting) == (None, None, 0)
+
+
+def test_a_failed_batch_of_finishes_is_written_alone_and_claims_none(
+    store: Store, db: psycopg.Connection[Any], logs: tuple[logging.Logger, Records]
+) -> None:
+    """A row the server refuses fails the statement before its commit: the finishes are
+    written one by one (each learns its own answer: the bad one its error), and nothing
+    is claimed (the poller claims)."""
     runs = [insert_claimed_run(db) for _ in range(3)]
     waiting = [insert_waiting_run(db) for _ in range(2)]
-    askers = [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
-    bad = Step(*insert_claimed_run(db), output="{not json")
-    write_combined(store, db_url, Step(*runs[0]), [*askers, bad])
-    assert isinstance(bad.error, psycopg.errors.InvalidTextRepresentation)
-    assert [(s.matched, s.claimed) for s in askers] == [(True, None)] * 2
+    batch = Finishes(runs, claim=2, outputs={1: "{not json"})
+    batch.write(store)
+    assert batch.error is None
+    assert batch.answers[0] is True and batch.answers[2] is True
+    assert isinstance(batch.answers[1], psycopg.errors.InvalidTextRepresentation)
+    assert batch.claimed == []
+    logs[1].wait_for("a combined write of 3 finishing steps failed")
+    assert run_row(db, runs[1][0]) == (1, "running", True, [None, None, None])
     assert [claim_of(db, run_id) for run_id in waiting] == [(None, None, 0)] * 2
 
 
@@ -524,21 +548,21 @@ def test_a_combined_write_whose_reply_is_lost_is_not_taken_for_lost_claims(
 
 
 @pytest.mark.direct(reason="the proxy stands where PgBouncer would")
-def test_runs_claimed_by_a_combined_write_whose_reply_is_lost_are_let_go_of(
-    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
+def test_runs_claimed_by_a_batch_of_finishes_whose_reply_is_lost_are_let_go_of(
+    proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any]
 ) -> None:
-    """The combined statement commits its steps and its claims, and its reply is
+    """The completer's statement commits its finishes and its claims, and its reply is
     dropped: nobody knows the runs it claimed, so they are released at once (not left
     for the sweeper, which would count an attempt none of them made), claimable by the
-    next claim; the steps, written again one by one, find themselves done."""
+    next claim; the finishes, written again one by one, find themselves done."""
     store, proxy = proxied_store
-    runs = [insert_claimed_run(db) for _ in range(3)]
+    runs = [insert_claimed_run(db) for _ in range(2)]
     waiting = [insert_waiting_run(db) for _ in range(3)]
-    askers = [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
     proxy.drop_reply(COMBINED)
-    write_combined(store, db_url, Step(*runs[0]), askers)
+    batch = Finishes(runs, claim=2)
+    batch.write(store)
     assert proxy.dropped == 1
-    assert [(s.error, s.matched, s.claimed) for s in askers] == [(None, True, None)] * 2
+    assert (batch.error, batch.answers, batch.claimed) == (None, [True, True], [])
     released = [claim_of(db, run_id) for run_id in waiting[:2]]
     assert all(claim is None and gone is not None and attempts == 0
                for claim, gone, attempts in released), released
@@ -648,25 +672,38 @@ def test_a_combined_write_whose_connection_is_lost_is_ended_when_it_waits_too_lo
 
 
 @pytest.mark.direct(reason="the proxy stands where PgBouncer would")
-def test_runs_claimed_by_a_combined_write_still_running_when_its_connection_is_lost_are_let_go_of(
+def test_runs_claimed_by_finishes_still_running_when_their_connection_is_lost_are_let_go_of(
     proxied_store: tuple[Store, ReplyProxy], db: psycopg.Connection[Any], db_url: str
 ) -> None:
-    """As above, with finishing steps that ask for runs: what the combined write claimed
-    is let go of once it has committed, not looked for before and missed, so the runs
-    are neither stranded until the sweeper nor charged an attempt none of them made."""
+    """The completer's statement waits on a row lock another transaction holds, its
+    connection is cut, and the server commits it after its writer gave up on it: what it
+    claimed is let go of once it has committed, not looked for before and missed, so
+    the runs are neither stranded until the sweeper nor charged an attempt none of them
+    made; the finishes, written again one by one after it ended, find themselves done."""
     store, proxy = proxied_store
-    runs = [insert_claimed_run(db) for _ in range(3)]
+    row = db.execute("SHOW client_connection_check_interval").fetchone()
+    assert row == ("0",), "the server must go on running a statement whose client is gone"
+    runs = [insert_claimed_run(db) for _ in range(2)]
     waiting = [insert_waiting_run(db) for _ in range(3)]
-    first, askers = Step(*runs[0]), [Step(*runs[1], asks=("W",)), Step(*runs[2], asks=("W",))]
-    cut_while_running(store, store.steps, proxy, db, db_url, lock_run(runs[0][0]),
-                      lock_run(runs[2][0]), first, askers)
-    assert [(s.error, s.matched, s.claimed) for s in askers] == [(None, True, None)] * 2
+    batch = Finishes(runs, claim=2)
+    writer = threading.Thread(target=batch.write, args=(store,))
+    with psycopg.connect(db_url) as blocker:
+        blocker.execute(*lock_run(runs[1][0]))
+        writer.start()
+        wait_until(lambda: statements(db, COMBINED, waiting=True) > 0,
+                   "the batch's statement on a lock")
+        proxy.cut_all()
+        wait_until(lambda: statements(db, waiting=True) >= 2, "the writer going on to wait")
+        blocker.rollback()
+    writer.join(timeout=30)
+    assert not writer.is_alive()
+    assert (batch.error, batch.answers, batch.claimed) == (None, [True, True], [])
 
     def let_go() -> bool:
         return all(claim is None and gone is not None
                    for claim, gone, _ in (claim_of(db, run_id) for run_id in waiting[:2]))
 
-    wait_until(let_go, "the runs the lost write claimed let go of")
+    wait_until(let_go, "the runs the lost statement claimed let go of")
     assert [claim_of(db, run_id)[2] for run_id in waiting] == [0, 0, 0]
     assert claim_of(db, waiting[2]) == (None, None, 0)
     assert [run.id for run in store.claim_runs(["W"], 5)] == waiting

@@ -13,12 +13,10 @@ import time
 from typing import Any
 
 import psycopg
-import pytest
-from helpers import Inp, Out, poll, registry, wait_until
+from helpers import Inp, Out, poll, registry
 
 import workflow
 from workflow import Status
-from workflow.events import ExecutionEnded, RunFinished
 
 A = workflow.Task("a", Out)
 
@@ -136,110 +134,3 @@ def test_a_wake_polls_at_once_whatever_the_poll_interval(
         )
     finally:
         runnable.stop(timeout=10)
-
-
-def finish_together(store: Any, db_url: str, first: Any, threads: list[threading.Thread]) -> None:
-    """Start `threads` (each executing a run, `first`'s first) so that they finish at once:
-    the first one's step held in flight by a row lock on its run, the others queued
-    behind it (their steps then share one statement); wait for all of them."""
-    store.steps.flights = 1  # the steps after the first queue, none rides beside it
-    with psycopg.connect(db_url) as blocker:
-        blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (first.id,))
-        threads[0].start()
-        wait_until(lambda: store.steps.in_flight == 1, "the first step in flight")
-        for thread in threads[1:]:
-            thread.start()
-        wait_until(lambda: store.steps.queued == len(threads) - 1, "the other steps queued")
-        blocker.rollback()
-    for thread in threads:
-        thread.join(timeout=30)
-        assert not thread.is_alive()
-
-
-def test_runs_finishing_together_claim_their_threads_next_runs_in_the_same_commit(
-    make_manager: Any, db: psycopg.Connection[Any], db_url: str
-) -> None:
-    """Three worker executions finish at once (the first one's step held in flight by a
-    row lock, the other two queued behind it): the two whose finishing steps share a
-    statement each come back with a run to go on with, the oldest waiting, claimed in
-    that commit, heartbeated and counted; the one written alone comes back with none.
-    Executed, the runs they got finish like any other."""
-    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
-    mgr = make_manager(reg)
-    runs = start_each_in_its_own_transaction(db, wf, mgr, 6)
-    store, executor = mgr._store, mgr._executor
-    first, *others = store.claim_runs(["W"], 3)
-    got: dict[Any, Any] = {}
-
-    def execute(run: Any) -> None:
-        executor.admit()
-        got[run.id] = executor.execute(run, claim_next=("W",))
-
-    threads = [threading.Thread(target=execute, args=(run,)) for run in (first, *others)]
-    finish_together(store, db_url, first, threads)
-    assert got[first.id] is None
-    following = [got[run.id] for run in others]
-    assert sorted(str(run.id) for run, _ in following) == sorted(str(r.id) for r in runs[3:5])
-    held = {claim.claim_id for claim in executor.heartbeat.claims()}
-    assert {claim.claim_id for _, claim in following} == held
-    assert all(run.claim_id == claim.claim_id for run, claim in following)
-    # The finishing steps and the claims: one commit.
-    xmins = db.execute(
-        "SELECT DISTINCT xmin::text FROM workflow_runs WHERE id = ANY(%s)",
-        ([run.id for run in others] + [run.id for run, _ in following],),
-    ).fetchall()
-    assert len(xmins) == 1
-    for run, claim in following:
-        assert executor.execute(run, claim=claim) is None
-    assert not executor.heartbeat.claims()
-    all_succeed(db, runs[:5])
-    assert db.execute("SELECT claim_id FROM workflow_runs WHERE id = %s",
-                      (runs[5].id,)).fetchone() == (None,)
-
-
-@pytest.mark.parametrize("raised_on", [RunFinished, ExecutionEnded])
-def test_a_run_claimed_by_a_finish_is_let_go_of_when_an_interrupt_ends_the_execution(
-    make_manager: Any, db: psycopg.Connection[Any], db_url: str, raised_on: type
-) -> None:
-    """A `SystemExit` raised after a finish claimed this thread's next run (here by an
-    event subscriber, as the run finishes or as its execution ends) ends the execution
-    and goes on up: the run the finish claimed, which nobody will execute now, is let
-    go of at once (no heartbeat, not counted in flight, claimable, no attempt charged),
-    not left held until the process exits and then swept; the execution that raised is
-    uncounted too."""
-    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
-    mgr = make_manager(reg)
-    runs = start_each_in_its_own_transaction(db, wf, mgr, 5)
-    store, executor = mgr._store, mgr._executor
-    first, *others = store.claim_runs(["W"], 3)
-    interrupted = {run.id for run in others}
-
-    def exit_on_finish(event: Any) -> None:
-        if isinstance(event, raised_on) and event.run_id in interrupted:
-            raise SystemExit(3)
-
-    mgr.events.subscribe(exit_on_finish)
-    raised: dict[Any, Any] = {}
-
-    def execute(run: Any) -> None:
-        executor.admit()
-        try:
-            raised[run.id] = executor.execute(run, claim_next=("W",))
-        except SystemExit as e:
-            raised[run.id] = e
-
-    threads = [threading.Thread(target=execute, args=(run,)) for run in (first, *others)]
-    finish_together(store, db_url, first, threads)
-    assert raised[first.id] is None
-    assert all(isinstance(raised[run.id], SystemExit) for run in others)
-    assert not executor.heartbeat.claims()
-    assert executor._in_flight == 0
-    rows = db.execute(
-        "SELECT r.claim_id, r.released_claim IS NOT NULL, t.attempts FROM workflow_runs r "
-        "JOIN workflow_tasks t ON t.run_id = r.id WHERE r.id = ANY(%s)",
-        ([run.id for run in runs[3:]],),
-    ).fetchall()
-    assert rows == [(None, True, 0), (None, True, 0)]
-    assert sorted(str(r.id) for r in store.claim_runs(["W"], 5)) == sorted(
-        str(r.id) for r in runs[3:]
-    )

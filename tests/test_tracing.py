@@ -222,6 +222,46 @@ def test_a_polled_run_runs_under_a_consumer_span_linked_to_its_start(
     assert all(t.parent is not None and t.parent.span_id == consumer.context.span_id for t in tasks)
 
 
+def test_a_workers_runs_end_their_spans_from_the_completers_thread(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A worker thread hands each run's finish to the completer and goes on with the next
+    run: the run's contexts are detached on the thread that attached them (none is left
+    behind there, none is detached elsewhere, which OpenTelemetry logs as an error), and
+    its spans end once the finish has committed, each task's under its own run's."""
+    seen: list[Any] = []
+
+    def handler(run: workflow.TaskRun[Inp]) -> Out:
+        seen.append(trace.get_current_span().get_span_context().span_id)
+        return Out("a")
+
+    reg, wf = registry(workflow.handle(A, handler))
+    mgr = make_manager(reg)
+    runs = []
+    for n in range(4):
+        with db.transaction():
+            runs.append(wf.start_tx(db, mgr, Inp(n)))
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(listen=False, poll_interval=0.1, concurrency=1, batch_size=1)
+    )
+    with caplog.at_level("ERROR", logger="opentelemetry"):
+        runnable.start()
+        try:  # read from the database: wait() could claim a run itself
+            wait_until(lambda: db.execute(
+                "SELECT count(*) = 4 FROM workflow_runs WHERE status = 'succeeded'"
+            ).fetchone()[0], "every run to succeed")
+        finally:
+            runnable.stop()
+        wait_until(lambda: len(spans.named("workflow.run")) == 4, "every CONSUMER span")
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry")]
+    consumers = {s.context.span_id: s for s in spans.named("workflow.run")}
+    tasks = spans.named("workflow.task")
+    assert len(tasks) == 4
+    assert {t.parent.span_id for t in tasks} == set(consumers)
+    assert sorted(seen) == sorted(t.context.span_id for t in tasks)
+    assert all(c.parent is None for c in consumers.values())
+
+
 def test_tracing_off_makes_no_span_and_stores_no_context(
     spans: Kept, make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:

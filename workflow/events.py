@@ -4,7 +4,10 @@ The executor, the start of a run and the sweeper announce events on their
 manager's `Events`; metrics, traces and the run history subscribe there rather
 than reaching into the engine. A subscriber is called on the thread where the
 event happened, right after it happened (so an attempt's `AttemptBegan` and
-`AttemptEnded` arrive on the handler's own thread, around its call); it must be
+`AttemptEnded` arrive on the handler's own thread, around its call, except for a
+worker's run whose last write its completer makes: after `FinishHandedOver` on
+the handler's thread, the rest of that execution's events come from the
+completer's thread, once the write has committed); it must be
 quick and must not block, and must treat the event as read-only (the classes are
 not frozen only because a frozen attrs instance costs four times as much to
 build, on the fast path). An exception it raises is logged and dropped: it
@@ -118,10 +121,21 @@ class ClaimLost:
 
 
 @attrs.define
+class FinishHandedOver:
+    """A worker's run's last task succeeded and its thread handed the finishing write to
+    the worker's completer: the handler's thread is done with the execution, and its
+    remaining events (`AttemptEnded` and the rest) follow on the completer's thread
+    once that write has committed."""
+
+    run_id: uuid.UUID
+    workflow: str
+
+
+@attrs.define
 class ExecutionEnded:
     """An execution of a run in this process ended, however: finished, parked,
     released for a retry or a shutdown, cancelled, or its claim lost. The last event
-    of an execution, on its thread."""
+    of an execution, on its thread (the completer's, after `FinishHandedOver`)."""
 
     run_id: uuid.UUID
     workflow: str
@@ -154,6 +168,7 @@ Event = (
     | AttemptBegan
     | AttemptEnded
     | RunFinished
+    | FinishHandedOver
     | ExecutionEnded
     | ClaimLost
     | ClaimsSwept

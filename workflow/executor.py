@@ -14,8 +14,9 @@ finishes it). A 3-task run on the fast path costs 4 transactions. A failed
 attempt costs one more (it records the failure and parks or schedules the retry
 in the same statement); a shutdown or a long backoff costs one release. Steps
 of runs finishing tasks at the same moment share one (group commit); on a
-worker, the step that finishes a run also claims, in that commit, the next run
-its thread executes (`claim_next`).
+worker, a run's last step is handed to the worker's completer (completer.py),
+which writes the finishes of many runs in one commit that also claims the runs
+taking their place, while the run's thread goes on with another.
 
 An attempt that ran is always counted: whatever the engine fails to record
 after it (the database refusing a write, a bug), the attempt is recorded as
@@ -33,12 +34,13 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, NamedTuple, NoReturn
 
 import attrs
 
 from workflow import codec
+from workflow.completer import Completer
 from workflow.config import Settings
 from workflow.definition import Registry, Step, Task
 from workflow.errors import (
@@ -56,6 +58,7 @@ from workflow.events import (
     ClaimLost,
     Events,
     ExecutionEnded,
+    FinishHandedOver,
     Outcome,
     RunClaimed,
     RunFinished,
@@ -158,8 +161,8 @@ class Executor:
         claimed_at: float | None = None,
         follows_key: bool = False,
         claim: Claim | None = None,
-        claim_next: Sequence[str] = (),
-    ) -> tuple[ClaimedRun, Claim] | None:
+        completer: Completer | None = None,
+    ) -> bool:
         """Run the admitted claimed `run` from its current task until it finishes, parks,
         or must stop, then uncount it.
 
@@ -168,12 +171,12 @@ class Executor:
         the caller claims the next run of the run's key itself when this ends, so
         its finish or park wakes no poller for it; `claim`: the run's claim, already
         heartbeated since the run was claimed (`hold()`; default: heartbeated from
-        now); `claim_next`: the workflows of which the run's finish may claim a run for
-        the caller to execute next, in the same commit (`Store.finish_and_claim`).
-        Returns that run, admitted and held, or None. Raises nothing
-        of its own (see the module doc for what an unexpected error does), but a
-        `SystemExit` or `KeyboardInterrupt` raised by a handler is recorded as a
-        failed attempt and then propagates.
+        now); `completer`: a worker's completer, to which the run's last write is
+        handed when its last task succeeds (the execution then ends on the
+        completer's thread, once that write has committed). True when it was
+        handed over. Raises nothing of its own (see the module doc for what an
+        unexpected error does), but a `SystemExit` or `KeyboardInterrupt` raised by
+        a handler is recorded as a failed attempt and then propagates.
         """
         if claim is None:
             claim = self.hold(run)
@@ -181,9 +184,10 @@ class Executor:
             self, run, claim, input, time.monotonic() if claimed_at is None else claimed_at
         )
         execution.wake_key = not follows_key
-        execution.claim_next = claim_next
+        execution.completer = completer
         outer = getattr(_executing, "current", None)
         _executing.current = (self, run.id)
+        handed = False
         try:
             try:
                 self.events.look()
@@ -195,40 +199,17 @@ class Executor:
                         )
                     )
                 execution.run()
+            except _HandedOver:
+                handed = True
             except _Stop:
                 pass
             except Exception as e:
                 execution.engine_failed(e)
-            finally:
-                _executing.current = outer
-                self.heartbeat.remove(claim)
-                try:
-                    if self.events.active:
-                        if claim.reason == CANCELLED:
-                            self.events.emit(RunFinished(run.id, run.workflow, Status.CANCELLED))
-                        self.events.emit(ExecutionEnded(run.id, run.workflow))
-                finally:
-                    try:
-                        self.on_end(run.id, execution.outcome)
-                    finally:
-                        self.dismiss()
-        except BaseException:
-            # An interrupt (here, in a subscriber or in `on_end`) goes on up, and nobody
-            # will execute the run this one's finish claimed: let go of it now, not at
-            # the sweep with an attempt charged.
-            if execution.following is not None:
-                following, execution.following = execution.following, None
-                self._let_go(*following)
-            raise
-        return execution.following
-
-    def _let_go(self, run: ClaimedRun, claim: Claim) -> None:
-        """Release `run`, admitted and held (`hold()`) but never to be executed here."""
-        self.heartbeat.remove(claim)
-        try:
-            self.store.let_go([run.claim_id])
         finally:
-            self.dismiss()
+            _executing.current = outer
+            if not handed:  # else the completer ends it, once its last write has committed
+                execution.end()
+        return handed
 
     def hold(self, run: ClaimedRun) -> Claim:
         """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so it
@@ -277,6 +258,10 @@ class _Stop(Exception):
     """Ends an execution early; the claim has been dealt with."""
 
 
+class _HandedOver(Exception):
+    """Ends an execution's thread: its last write is the completer's now, and so is its end."""
+
+
 class _Ran(NamedTuple):
     """An attempt whose handler has run and whose outcome is not recorded yet."""
 
@@ -303,8 +288,8 @@ class _Execution:
         self.outcome: Status | None = None
         self.unrecorded: _Ran | None = None
         self.wake_key = True  # a keyed run's finish or park wakes the pollers
-        self.claim_next: Sequence[str] = ()  # the workflows its finish may claim a run of
-        self.following: tuple[ClaimedRun, Claim] | None = None  # the run its finish claimed
+        self.completer: Completer | None = None  # a worker's, to hand the last write to
+        self.params: dict[str, Any] = {}  # that write's parameters, when handed over
         self._log: EngineLog | None = None
 
     @property
@@ -499,19 +484,18 @@ class _Execution:
         finishes = next_seq > len(self.tasks)
         if finishes:
             self.claim.leave()
-        if finishes and self.claim_next and not executor.draining.is_set():
-            matched, following = executor.store.finish_and_claim(
-                self.run_row.id, self.run_row.claim_id, seq, document, next_seq,
-                self.claim_next, wake_key=self.wake_key,
+        if finishes and self.completer is not None and not executor.draining.is_set():
+            self.params = executor.store.step_params(
+                self.run_row.id, self.run_row.claim_id, seq, document, next_seq, True
             )
-            if following is not None:  # the caller executes it next, lost claim or not
-                executor.admit()
-                self.following = (following, executor.hold(following))
-        else:
-            matched = executor.store.complete_task(
-                self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
-                wake_key=self.wake_key,
-            )
+            if executor.events.active:
+                executor.events.emit(FinishHandedOver(self.run_row.id, self.run_row.workflow))
+            self.completer.hand(self)
+            raise _HandedOver
+        matched = executor.store.complete_task(
+            self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
+            wake_key=self.wake_key,
+        )
         if not matched:
             self.lost()
         self.unrecorded = None
@@ -526,6 +510,45 @@ class _Execution:
         if executor.draining.is_set():
             self.release()
         return next_seq
+
+    def resolve(self, answer: bool | Exception) -> None:
+        """The end of an execution whose last write the completer made: `answer` is whether
+        its claim matched, or the error that writing it raised (see `complete`, and
+        execute's handling of what it raises). On the completer's thread."""
+        try:
+            try:
+                if isinstance(answer, Exception):
+                    raise answer
+                if not answer:
+                    self.lost()
+                ran = self.unrecorded
+                self.unrecorded = None
+                if ran is not None and self.executor.events.active:
+                    self.attempt_ended(ran, Outcome.SUCCEEDED, None)
+                self.finished(Status.SUCCEEDED)
+            except _Stop:
+                pass
+            except Exception as e:
+                self.engine_failed(e)
+        finally:
+            self.end()
+
+    def end(self) -> None:
+        """The execution is over: stop heartbeating its claim, announce it, tell the
+        manager (`on_end`) and uncount it."""
+        executor = self.executor
+        executor.heartbeat.remove(self.claim)
+        try:
+            if executor.events.active:
+                run = self.run_row
+                if self.claim.reason == CANCELLED:
+                    executor.events.emit(RunFinished(run.id, run.workflow, Status.CANCELLED))
+                executor.events.emit(ExecutionEnded(run.id, run.workflow))
+        finally:
+            try:
+                executor.on_end(self.run_row.id, self.outcome)
+            finally:
+                executor.dismiss()
 
     def engine_failed(self, error: Exception) -> None:
         """The engine itself failed (the database refused a write, a bug): never release

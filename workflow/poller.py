@@ -5,13 +5,15 @@ earliest run of its workflows falls due when that is sooner (a delayed start,
 a retry waiting out its backoff); a wake-up (a notification, a local start)
 cuts the sleep short.
 
-A thread whose run finishes asks for its next run in the same breath: when the
-finishing step is written together with others' (group commit), that statement
-also claims a run for each thread that asked, in the same commit
-(`Store.finish_and_claim`), and the thread executes it at once. Under load a
-worker's run so costs one share of a transaction for its finish and the next
-claim together, and no thread waits for a claim's round trip between runs; a
-step written alone claims nothing, and this loop claims as before.
+A run's last write is not its thread's to wait for: when the last task of an
+unkeyed run succeeds, its thread hands the finish to the poller's completer
+(completer.py) and takes another run, and the run no longer counts against
+`concurrency`. The completer writes every finish handed to it since its last
+statement in one statement and one commit, which also claims a run for each place
+the finished runs left free; those go to this poller's threads. Under load a
+worker's run so costs one share of a transaction for its finish and for the claim
+of the run taking its place, and no thread waits for either; when that claim
+finds fewer runs than it had room for, this loop is woken to claim as before.
 
 A claim is one statement (`FOR UPDATE SKIP LOCKED`, so pollers in many processes
 never claim the same run) that also returns each run's task snapshot. It claims
@@ -29,9 +31,9 @@ from __future__ import annotations
 import threading
 import time
 
+from workflow.completer import Completer
 from workflow.config import RunnerSettings
 from workflow.executor import Executor
-from workflow.heartbeat import Claim
 from workflow.runthreads import RunThreads
 from workflow.service import Service
 from workflow.store import ClaimedRun, slot_race
@@ -73,8 +75,17 @@ class Poller(Service):
         self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
         self._walk_pause = 0.0  # the pause after the last one (it grows while they find none)
         self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
-        self._running = 0  # this poller's executions in flight, against `concurrency`
+        # This poller's runs claimed and not yet handed to the completer (executing, or
+        # waiting for a thread), and the places reserved for claims being made, against
+        # `concurrency`.
+        self._running = 0
         self._lock = threading.Lock()
+        self.completer = Completer(
+            executor.store, executor.log, self._workflows, settings.concurrency,
+            self._reserve, self._deliver,
+        )
+        """Writes the finishes of this poller's runs; `Runnable.stop` stops it after the
+        drain."""
         # The earliest due time known (monotonic; None: no run waits), and whether it
         # must be read again: after a wake-up from outside (a start, a notification,
         # a sweep), or once it has come. An execution ending here wakes the loop
@@ -94,28 +105,59 @@ class Poller(Service):
         self._walk_after = -float("inf")
         super().wake()
 
+    def start(self) -> None:
+        """Start claiming, and the completer."""
+        self.completer.start()
+        super().start()
+
     def stop(self, timeout: float | None = None) -> None:
-        """Stop claiming; in-flight executions go on (the executor's drain awaits them)."""
+        """Stop claiming; in-flight executions go on (the executor's drain awaits them, and
+        the completer goes on writing their finishes until its own `stop()`)."""
         super().stop(timeout)
         self._threads.shutdown(wait=False)
+
+    def _reserve(self, wanted: int) -> int:
+        """Take up to `wanted` free places of `concurrency` for a claim about to be made
+        (none once stopping or draining); how many were taken."""
+        if self._stopping.is_set() or self._executor.draining.is_set():
+            return 0
+        with self._lock:
+            taken = max(0, min(wanted, self._settings.concurrency - self._running))
+            self._running += taken
+        return taken
+
+    def _deliver(self, runs: list[ClaimedRun], reserved: int) -> None:
+        """Hand over `runs`, claimed in `reserved` places; free the places left unused, and
+        wake this loop to claim in them (the completer's claim found fewer runs than it
+        had room for, or claimed none)."""
+        for run in runs:
+            self._hand_over(run)
+        unused = reserved - len(runs)
+        if unused > 0:
+            with self._lock:
+                self._running -= unused
+        if unused > 0 or not reserved:
+            self._wake.set()
 
     def _loop(self) -> None:
         executor = self._executor
         failures = 0
         while not self._stopping.is_set():
-            free = self._settings.concurrency - self._running
-            if free <= 0 or executor.draining.is_set():
+            limit = self._reserve(self._settings.batch_size)
+            if limit <= 0:
                 self._sleep(self._settings.poll_interval)
                 continue
-            limit = min(self._settings.batch_size, free)
+            claimed: list[ClaimedRun] = []
             try:
-                claimed, raced = self._claim(limit)
+                raced = self._claim(limit, claimed)
             except Exception:
                 failures += 1
                 executor.log.exception("poller: claiming runs failed")
+                self._free(limit - len(claimed))  # what was claimed was handed over
                 self._sleep(min(self._settings.poll_interval, 0.5 * 2 ** min(failures, 6)))
                 continue
             failures = 0
+            self._free(limit - len(claimed))
             for run in claimed:
                 self._hand_over(run)
             if len(claimed) < limit and not raced:
@@ -124,15 +166,22 @@ class Poller(Service):
                     nap = min(nap, max(self._walk_after - time.monotonic(), 0.005))
                 self._sleep(nap)
 
-    def _claim(self, limit: int) -> tuple[list[ClaimedRun], bool]:
-        """Claim up to `limit` runs: ready ones, and keyed runs given a free slot of their
-        key (in turns, which goes first); and whether a race for a slot made the keyed
-        claim do nothing (claim again at once)."""
+    def _free(self, places: int) -> None:
+        """Give back `places` reserved for a claim that did not fill them."""
+        if places > 0:
+            with self._lock:
+                self._running -= places
+
+    def _claim(self, limit: int, claimed: list[ClaimedRun]) -> bool:
+        """Claim up to `limit` runs into `claimed`: ready ones, and keyed runs given a free
+        slot of their key (in turns, which goes first); whether a race for a slot made
+        the keyed claim do nothing (claim again at once). When it raises, what it
+        claimed before has been handed over."""
         store = self._executor.store
         if not self._keyed:
-            return store.claim_runs(self._workflows, limit), False
+            claimed += store.claim_runs(self._workflows, limit)
+            return False
         self._keys_first = keys_first = not self._keys_first
-        claimed: list[ClaimedRun] = []
         raced = False
         for keys in (keys_first, not keys_first):
             room = limit - len(claimed)
@@ -150,7 +199,7 @@ class Poller(Service):
                 for run in claimed:  # what the first statement claimed still runs
                     self._hand_over(run)
                 raise
-        return claimed, raced
+        return raced
 
     def _until_next_due(self) -> float:
         """How long to sleep when nothing more is claimable: the poll interval, or less
@@ -188,9 +237,8 @@ class Poller(Service):
         return min(interval, left + 0.005)
 
     def _hand_over(self, run: ClaimedRun) -> None:
+        """Execute `run`, claimed in a place reserved for it, on one of the threads."""
         executor = self._executor
-        with self._lock:
-            self._running += 1
         executor.admit()
         try:
             self._threads.submit(self._execute, run)
@@ -201,27 +249,23 @@ class Poller(Service):
             executor.store.release_claim(run.id, run.claim_id)
 
     def _execute(self, run: ClaimedRun) -> None:
+        handed = False
         try:
             following: ClaimedRun | None = run
-            claim: Claim | None = None  # held already: a run its predecessor's finish claimed
             while following is not None:
                 keyed = following.concurrency_key is not None
-                # An unkeyed run's finish, written with others', claims this thread's next
-                # run in the same commit; a keyed one's thread claims its key's next.
-                ride = () if keyed or self._stopping.is_set() else self._workflows
-                claimed = self._executor.execute(
-                    following, follows_key=keyed, claim=claim, claim_next=ride
+                # A keyed run's thread claims its key's next run once the run's end has
+                # committed; an unkeyed one's last write goes to the completer.
+                handed = self._executor.execute(
+                    following, follows_key=keyed, completer=None if keyed else self.completer
                 )
-                if claimed is not None:
-                    following, claim = claimed
-                    continue
-                claim = None
-                following = self._next_of_key(following)
+                following = None if handed else self._next_of_key(following)
         finally:
             with self._lock:
                 self._running -= 1
             self._due_changed_here = True  # it may have left its run for a later retry
-            self._wake.set()  # room to claim again
+            if not handed:  # else the completer's claim fills its place, or wakes the loop
+                self._wake.set()  # room to claim again
 
     def _claim_heads(self, room: int) -> list[ClaimedRun]:
         """`claim_key_heads`, unless the last one was too recent for its cost (see

@@ -5,7 +5,8 @@ the listener and the poller stop, so nothing new is claimed; then the executor
 drains (`Executor.drain`): no attempt begins, every in-flight handler sees
 `cancelled`, and each execution records its attempt (a success is persisted, a
 failure caused by the shutdown is not counted) and releases its claim for
-immediate re-claim; then the sweeper and the pruner stop. One deadline bounds the
+immediate re-claim, and the finishes handed to the poller's completer are
+written; then the completer, the sweeper and the pruner stop. One deadline bounds the
 whole stop.
 """
 
@@ -143,6 +144,8 @@ class Runnable:
             if service is not None:
                 service.stop(left())
         drained = self._executor.drain(left())
+        # The drain waited for the finishes handed to the completer too: it has none left.
+        self._poller.completer.stop(left())
         maintaining: tuple[Service | None, ...] = (self._sweeper, self._pruner)
         for service in maintaining:
             if service is not None:

@@ -39,6 +39,7 @@ from workflow.events import (
     Event,
     Events,
     ExecutionEnded,
+    FinishHandedOver,
     Outcome,
     RunClaimed,
     RunFinished,
@@ -116,6 +117,10 @@ class Tracing:
             raise RuntimeError("workflow.tracing needs opentelemetry-api (pgworkflow[otel])")
         self._tracer = trace.get_tracer(_INSTRUMENTATION)
         self._local = threading.local()
+        # Executions whose last write a worker's completer makes: their contexts are
+        # detached on the handler's thread (FinishHandedOver) and their spans ended
+        # from the completer's, which finds them here.
+        self._handed: dict[uuid.UUID, _Execution] = {}
         self._events = events
         self._lock = threading.Lock()
         self._closed = False
@@ -154,6 +159,29 @@ class Tracing:
             executions = self._local.runs = {}
         return executions
 
+    def _find(self, run_id: uuid.UUID, *, pop: bool = False) -> _Execution | None:
+        """The execution of `run_id`: this thread's, or one handed to a completer."""
+        executions = self._executions()
+        execution = executions.pop(run_id, None) if pop else executions.get(run_id)
+        if execution is None and self._handed:
+            with self._lock:
+                execution = (
+                    self._handed.pop(run_id, None) if pop else self._handed.get(run_id)
+                )
+        return execution
+
+    def _handed_over(self, event: FinishHandedOver) -> None:
+        """Detach the run's contexts from the handler's thread, which is done with it; the
+        spans end on the completer's thread."""
+        execution = self._executions().pop(event.run_id, None)
+        if execution is None:
+            return
+        self._detach(execution.task_token)
+        self._detach(execution.run_token)
+        execution.task_token = execution.run_token = None
+        with self._lock:
+            self._handed[event.run_id] = execution
+
     def _on_event(self, event: Event) -> None:
         if isinstance(event, AttemptBegan):
             self._attempt_began(event)
@@ -165,6 +193,8 @@ class Tracing:
             self._finished(event)
         elif isinstance(event, ExecutionEnded):
             self._ended(event)
+        elif isinstance(event, FinishHandedOver):
+            self._handed_over(event)
 
     def _claimed(self, event: RunClaimed) -> None:
         execution = _Execution()
@@ -210,7 +240,7 @@ class Tracing:
         execution.task_token = otel_context.attach(trace.set_span_in_context(span))
 
     def _attempt_ended(self, event: AttemptEnded) -> None:
-        execution = self._executions().get(event.run_id)
+        execution = self._find(event.run_id)
         if execution is None or execution.task_span is None:
             return
         span = execution.task_span
@@ -232,7 +262,7 @@ class Tracing:
         span.end()
 
     def _finished(self, event: RunFinished) -> None:
-        execution = self._executions().get(event.run_id)
+        execution = self._find(event.run_id)
         if execution is None:
             return
         name = {Status.PARKED: "workflow.parked", Status.CANCELLED: "workflow.cancelled"}.get(
@@ -246,7 +276,7 @@ class Tracing:
             execution.run_span.set_attribute("workflow.status", event.status.value)
 
     def _ended(self, event: ExecutionEnded) -> None:
-        execution = self._executions().pop(event.run_id, None)
+        execution = self._find(event.run_id, pop=True)
         if execution is None:
             return
         if execution.task_span is not None:  # an attempt whose end was never announced

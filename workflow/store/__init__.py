@@ -212,9 +212,8 @@ def _step(
     next_seq: int,
     finishes: bool,
     wake_key: bool,
-    claim_from: tuple[str, ...],
 ) -> dict[str, Any]:
-    """One step's parameters (`claim_from`: the workflows to claim a next run of, or ())."""
+    """One step's parameters."""
     return {
         "id": run_id,
         "claim_id": claim_id,
@@ -224,7 +223,6 @@ def _step(
         "finishes": finishes,
         "wake_key": wake_key,
         "channel": CHANNEL,
-        "claim_from": claim_from,
     }
 
 
@@ -576,34 +574,61 @@ class Store:
 
         Steps that other threads record at the same moment share one statement and
         one commit (`GroupCommit`); this one returns once it has committed."""
-        return self.steps.write(
-            _step(run_id, claim_id, seq, output, next_seq, finishes, wake_key, ())
-        )[0]
+        return self.steps.write(_step(run_id, claim_id, seq, output, next_seq, finishes, wake_key))
 
-    def finish_and_claim(
-        self,
+    @staticmethod
+    def step_params(
         run_id: uuid.UUID,
         claim_id: uuid.UUID,
         seq: int,
         output: str | None,
         next_seq: int,
-        workflows: Sequence[str],
-        *,
-        wake_key: bool = True,
-    ) -> tuple[bool, ClaimedRun | None]:
-        """`complete_task` for a run's last task (it finishes), and, when the step goes
-        in one statement with others (group commit), a claim of the longest due
-        claimable run of `workflows` made in the same commit, for the caller to execute
-        next (a worker thread going on with another run without a claim of its own).
-        (whether the claim matched, the run claimed or None). A step written alone
-        claims nothing: the poller claims as it would."""
-        return self.steps.write(
-            _step(run_id, claim_id, seq, output, next_seq, True, wake_key, tuple(workflows))
-        )
+        finishes: bool,
+    ) -> dict[str, Any]:
+        """The parameters of one `complete_task` of an unkeyed run, for `finish_runs`."""
+        return _step(run_id, claim_id, seq, output, next_seq, finishes, True)
 
-    def _complete_alone(
-        self, params: dict[str, Any], may_have_landed: bool
-    ) -> tuple[bool, ClaimedRun | None]:
+    def finish_runs(
+        self, steps: Sequence[dict[str, Any]], workflows: Sequence[str], claim: int
+    ) -> tuple[list[bool | Exception], list[ClaimedRun]]:
+        """Write the runs' finishing `steps` (`step_params`) in one statement and one
+        commit, and claim in that commit up to `claim` claimable runs of `workflows`
+        (a worker's completer: the runs its finished ones leave room for).
+
+        Returns, in the order given, each step's answer (whether its claim matched,
+        or the error that writing it raised), and the runs claimed, in claim order.
+        When the statement fails, whatever it may have claimed is let go of and each
+        step is written again alone, first looking for what the failed try did (as
+        `GroupCommit` does for the steps of threads); those steps claim nothing."""
+        new_claims = [uuid.uuid4() for _ in range(claim)]
+        params = step_arrays(steps, workflows, new_claims)
+        try:
+            if new_claims:
+                rows = self.connections.once("complete_tasks_claiming", params)
+                matched = {(row[1], row[3]) for row in rows if row[0]}
+                runs = claimed_runs([row[1:] for row in rows if not row[0]])
+            else:
+                rows = self.connections.once("complete_tasks", params)
+                matched = {(row[0], row[1]) for row in rows}
+                runs = []
+        except Exception as e:
+            self._outlast(params["fence"], e)
+            if new_claims:
+                self.let_go(new_claims)
+            self._log.warning(
+                "a combined write of %d finishing steps failed (%s); making them one by one",
+                len(steps), e,
+            )
+            answers: list[bool | Exception] = []
+            for step in steps:
+                try:
+                    answers.append(self._complete_alone(step, True))
+                except Exception as alone:
+                    answers.append(alone)
+            return answers, []
+        return [(step["id"], step["claim_id"]) in matched for step in steps], runs
+
+    def _complete_alone(self, params: dict[str, Any], may_have_landed: bool) -> bool:
         rows = self._run(
             "complete_task",
             params,
@@ -615,43 +640,20 @@ class Store:
             # after the retry looked for it (its connection was lost while the server
             # still ran it). A claim truly lost was not let go of by this claim.
             rows = self._run("released", params)
-        return bool(rows), None
+        return bool(rows)
 
-    def _complete_together(
-        self, batch: list[dict[str, Any]]
-    ) -> list[tuple[bool, ClaimedRun | None]]:
+    def _complete_together(self, batch: list[dict[str, Any]]) -> list[bool]:
         # One try only: on any failure GroupCommit writes the steps alone, each
         # looking first for what this try may have done, once this try has ended
-        # (`_outlast`). What the try claimed for the steps asking for a next run is let
-        # go of first (it may have committed). Every poller of a manager claims for the
-        # same workflows, so the steps asking name one set; should two sets meet, the
-        # first one's are served.
-        claim_from: tuple[str, ...] = next(
-            (p["claim_from"] for p in batch if p["claim_from"]), ()
-        )
-        takers = [i for i, p in enumerate(batch) if claim_from and p["claim_from"] == claim_from]
-        new_claims = [uuid.uuid4() for _ in takers]
-        params = step_arrays(batch, claim_from, new_claims)
+        # (`_outlast`).
+        params = step_arrays(batch)
         try:
-            if not takers:
-                rows = self.connections.once("complete_tasks", params)
-                matched = {(row[0], row[1]) for row in rows}
-                return [((p["id"], p["claim_id"]) in matched, None) for p in batch]
-            rows = self.connections.once("complete_tasks_claiming", params)
-            matched = {(row[1], row[3]) for row in rows if row[0]}
-            runs = claimed_runs([row[1:] for row in rows if not row[0]])
-        except BaseException as e:  # an interrupt too: what was claimed for nobody goes back
-            if isinstance(e, Exception):
-                self._outlast(params["fence"], e)
-            if new_claims:
-                self.let_go(new_claims)
+            rows = self.connections.once("complete_tasks", params)
+        except Exception as e:
+            self._outlast(params["fence"], e)
             raise
-        answers: list[tuple[bool, ClaimedRun | None]] = [
-            ((params["id"], params["claim_id"]) in matched, None) for params in batch
-        ]
-        for i, run in zip(takers, runs, strict=False):
-            answers[i] = (answers[i][0], run)
-        return answers
+        matched = {(row[0], row[1]) for row in rows}
+        return [(p["id"], p["claim_id"]) in matched for p in batch]
 
     def _outlast(self, fence: int, error: Exception) -> None:
         """After a combined write holding advisory lock `fence` failed with `error`: when its

@@ -486,8 +486,8 @@ RETURNING t.run_id, run.claim_id, run.woke;
 
 -- name: complete_tasks_claiming
 -- complete_tasks, and in the same statement and commit a claim of up to `limit` claimable runs of
--- `workflows`, as claim_runs makes it, under the caller's claim ids `new_claims`: for worker threads whose
--- runs finish here and which go on with another run (a statement apart from complete_tasks, whose steps
+-- `workflows`, as claim_runs makes it, under the caller's claim ids `new_claims`: for a worker's completer,
+-- whose finished runs leave places for as many runs to take (a statement apart from complete_tasks, whose steps
 -- alone would otherwise pay for the claim's nodes, ~0.1 ms a statement). Rows: the claimed runs first, as
 -- claim_runs returns them, behind a false `step` column; then, behind a true one, each step that matched:
 -- its run in the id column, its claim in the claim column (and in the workflow column its wake-up, which

@@ -1,0 +1,355 @@
+"""A worker's completer (issue 20): a run's last write made off its thread, in batches.
+
+A worker thread whose run's last task succeeded hands the finishing write to its
+poller's completer and goes on; the write is made with others' in one statement that
+also claims the runs taking their place, and the execution ends (its events, its
+waiters, its count in flight) on the completer's thread once the write has
+committed. These tests hold the completer's statement on a row lock that another
+transaction holds, so that what happens before and after the commit can be seen
+apart. Each run's own fence still decides: a finish whose claim was lost ends as
+lost; one the database refuses counts a failed attempt; a drain waits for every
+finish handed over; a full completer makes the next thread wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Any
+
+import psycopg
+import pytest
+from helpers import Inp, Out, insert_claimed_run, poll, registry, wait_until
+
+import workflow
+from workflow import Status
+from workflow.completer import Completer
+from workflow.events import (
+    AttemptEnded,
+    ClaimLost,
+    ExecutionEnded,
+    FinishHandedOver,
+    Outcome,
+    RunFinished,
+)
+from workflow.store import ClaimedRun, Store
+
+A = workflow.Task("a", Out)
+
+
+class Seen:
+    """Every event of a manager, with the name of the thread it came on."""
+
+    def __init__(self, mgr: workflow.Manager) -> None:
+        self.events: list[tuple[Any, str]] = []
+        self._lock = threading.Lock()
+        mgr.events.subscribe(self._add)
+
+    def _add(self, event: Any) -> None:
+        with self._lock:
+            self.events.append((event, threading.current_thread().name))
+
+    def of(self, kind: type) -> list[tuple[Any, str]]:
+        with self._lock:
+            return [(e, thread) for e, thread in self.events if isinstance(e, kind)]
+
+
+def start_waiting(db: psycopg.Connection[Any], wf: Any, mgr: workflow.Manager,
+                  count: int) -> list[workflow.Run]:
+    runs = []
+    for n in range(count):
+        with db.transaction():
+            runs.append(wf.start_tx(db, mgr, Inp(n)))
+    return runs
+
+
+def status_of(db: psycopg.Connection[Any], run_id: uuid.UUID) -> tuple[Any, ...]:
+    row = db.execute(
+        "SELECT r.status, r.claim_id IS NOT NULL, t.attempts FROM workflow_runs r "
+        "JOIN workflow_tasks t ON t.run_id = r.id WHERE r.id = %s", (run_id,),
+    ).fetchone()
+    assert row is not None
+    return tuple(row)
+
+
+def lock_row(blocker: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
+    blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
+
+
+def completer_of(mgr: workflow.Manager, limit: int = 4) -> Completer:
+    """A completer over `mgr`'s store that claims nothing (no poller behind it)."""
+    completer = Completer(mgr._store, mgr._executor.log, ["W"], limit,
+                          lambda wanted: 0, lambda runs, reserved: None)
+    completer.start()
+    return completer
+
+
+def test_a_workers_thread_goes_on_before_its_runs_finish_has_committed(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The execution returns as soon as its finish is handed over, with the write still
+    waiting on a lock: the run is still running and claimed, its claim heartbeated and
+    counted in flight. Once the write commits, the execution ends on the completer's
+    thread: the attempt, the finish and the end are announced there, and only then."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    start_waiting(db, wf, mgr, 1)
+    executor, completer = mgr._executor, completer_of(mgr)
+    (run,) = mgr._store.claim_runs(["W"], 1)
+    with psycopg.connect(db_url) as blocker:
+        lock_row(blocker, run.id)
+        executor.admit()
+        assert executor.execute(run, completer=completer) is True
+        assert [thread for _, thread in seen.of(FinishHandedOver)] == ["MainThread"]
+        time.sleep(0.2)
+        assert status_of(db, run.id) == ("running", True, 0)
+        assert executor._in_flight == 1
+        assert [claim.run_id for claim in executor.heartbeat.claims()] == [run.id]
+        assert not seen.of(AttemptEnded) and not seen.of(ExecutionEnded)
+        blocker.rollback()
+    wait_until(lambda: bool(seen.of(ExecutionEnded)), "the execution's end")
+    assert status_of(db, run.id) == ("succeeded", False, 0)
+    assert executor._in_flight == 0
+    assert not executor.heartbeat.claims()
+    ended = seen.of(AttemptEnded) + seen.of(RunFinished) + seen.of(ExecutionEnded)
+    assert [(type(e).__name__, thread) for e, thread in ended] == [
+        ("AttemptEnded", "workflow-completer"),
+        ("RunFinished", "workflow-completer"),
+        ("ExecutionEnded", "workflow-completer"),
+    ]
+    assert ended[0][0].outcome is Outcome.SUCCEEDED
+    assert ended[1][0].status is Status.SUCCEEDED
+    completer.stop(10)
+
+
+def test_finishes_handed_over_together_share_one_statement_and_each_learns_its_fence(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """While one finish is held in flight, three more are handed over; one of them lost
+    its claim meanwhile (another executor's now). The three go in one statement: two
+    succeed, the one whose claim is gone ends as lost (announced, not counted, the run
+    left to its owner)."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    start_waiting(db, wf, mgr, 4)
+    executor, completer = mgr._executor, completer_of(mgr)
+    first, *others = mgr._store.claim_runs(["W"], 4)
+    thief = uuid.uuid4()
+    db.execute("UPDATE workflow_runs SET claim_id = %s WHERE id = %s", (thief, others[1].id))
+    with psycopg.connect(db_url) as blocker:
+        lock_row(blocker, first.id)
+        for run in (first, *others):
+            executor.admit()
+            assert executor.execute(run, completer=completer) is True
+            if run is first:
+                wait_until(lambda: completer.pending == 0, "the first finish in flight")
+        assert completer.pending == 3
+        blocker.rollback()
+    wait_until(lambda: len(seen.of(ExecutionEnded)) == 4, "every execution's end")
+    assert completer.statements == 2
+    assert [status_of(db, run.id) for run in (first, others[0], others[2])] == [
+        ("succeeded", False, 0)
+    ] * 3
+    assert db.execute("SELECT status, claim_id FROM workflow_runs WHERE id = %s",
+                      (others[1].id,)).fetchone() == ("running", thief)
+    assert [e.run_id for e, _ in seen.of(ClaimLost)] == [others[1].id]
+    lost = [e for e, _ in seen.of(AttemptEnded) if e.run_id == others[1].id]
+    assert [(e.outcome, e.claim_lost) for e in lost] == [(Outcome.ABANDONED, True)]
+    assert executor._in_flight == 0 and not executor.heartbeat.claims()
+    completer.stop(10)
+
+
+def test_a_finish_the_database_refuses_counts_a_failed_attempt(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """The finish's write fails (a trigger refuses the output of this one run): the
+    attempt that ran is counted as failed, on the completer's thread, as a thread's own
+    failed write would be; the run is released for its retry, not left claimed."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    (started,) = start_waiting(db, wf, mgr, 1)
+    db.execute(
+        "CREATE FUNCTION refuse_output() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "RAISE EXCEPTION 'refused by the test'; END $$"
+    )
+    db.execute(
+        "CREATE TRIGGER refuse_output BEFORE UPDATE ON workflow_tasks FOR EACH ROW "
+        f"WHEN (NEW.output IS DISTINCT FROM OLD.output AND NEW.run_id = '{started.id}') "
+        "EXECUTE FUNCTION refuse_output()"
+    )
+    executor, completer = mgr._executor, completer_of(mgr)
+    (run,) = mgr._store.claim_runs(["W"], 1)
+    executor.admit()
+    assert executor.execute(run, completer=completer) is True
+    wait_until(lambda: bool(seen.of(ExecutionEnded)), "the execution's end")
+    row = db.execute(
+        "SELECT r.status, r.claim_id, t.attempts, t.error FROM workflow_runs r "
+        "JOIN workflow_tasks t ON t.run_id = r.id WHERE r.id = %s", (run.id,),
+    ).fetchone()
+    assert row is not None
+    assert row[:3] == ("running", None, 1)  # released until its retry is due
+    assert "refused by the test" in row[3]
+    assert [e.outcome for e, _ in seen.of(AttemptEnded)] == [Outcome.FAILED]
+    assert executor._in_flight == 0 and not executor.heartbeat.claims()
+    completer.stop(10)
+
+
+def test_a_full_completer_makes_the_next_thread_wait(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """With `limit` finishes waiting for the statement in flight, a thread handing one
+    more waits until the completer takes them: a worker never holds more than twice
+    its concurrency in claims."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    start_waiting(db, wf, mgr, 4)
+    executor, completer = mgr._executor, completer_of(mgr, limit=2)
+    first, *others = mgr._store.claim_runs(["W"], 4)
+    with psycopg.connect(db_url) as blocker:
+        lock_row(blocker, first.id)
+        executor.admit()
+        executor.execute(first, completer=completer)
+        wait_until(lambda: completer.pending == 0, "the first finish in flight")
+        for run in others[:2]:
+            executor.admit()
+            executor.execute(run, completer=completer)
+        last = threading.Thread(
+            target=lambda: (executor.admit(), executor.execute(others[2], completer=completer))
+        )
+        last.start()
+        time.sleep(0.3)
+        assert last.is_alive(), "the third finish waits for room"
+        assert completer.pending == 2
+        blocker.rollback()
+    last.join(timeout=10)
+    assert not last.is_alive()
+    wait_until(lambda: len(seen.of(ExecutionEnded)) == 4, "every execution's end")
+    assert [status_of(db, run.id)[0] for run in (first, *others)] == ["succeeded"] * 4
+    completer.stop(10)
+
+
+def test_a_finish_handed_to_a_stopped_completer_is_written_on_its_own_thread(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    start_waiting(db, wf, mgr, 1)
+    executor, completer = mgr._executor, completer_of(mgr)
+    completer.stop(10)
+    (run,) = mgr._store.claim_runs(["W"], 1)
+    executor.admit()
+    assert executor.execute(run, completer=completer) is True
+    assert [thread for _, thread in seen.of(ExecutionEnded)] == ["MainThread"]
+    assert status_of(db, run.id) == ("succeeded", False, 0)
+
+
+def test_a_batch_claims_runs_in_the_places_its_finishes_left_and_delivers_them(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """The completer asks for as many places as it has finishes, claims that many runs
+    (oldest first) in the finishes' commit, and hands them over with the places
+    reserved; places it could not fill are given back through `deliver`."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runs = start_waiting(db, wf, mgr, 3)
+    asked: list[int] = []
+    delivered: list[tuple[list[ClaimedRun], int]] = []
+
+    def reserve(wanted: int) -> int:
+        asked.append(wanted)
+        return wanted
+
+    store: Store = mgr._store
+    completer = Completer(store, mgr._executor.log, ["W"], 4, reserve,
+                          lambda got, reserved: delivered.append((got, reserved)))
+    finished = [insert_claimed_run(db, tasks=1) for _ in range(2)]
+
+    class Finish:
+        def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
+            self.params = Store.step_params(run_id, claim_id, 1, None, 2, True)
+            self.answer: bool | Exception | None = None
+
+        def resolve(self, answer: bool | Exception) -> None:
+            self.answer = answer
+
+    finishes = [Finish(*run) for run in finished]
+    completer._write(list(finishes))  # as its thread writes a batch
+    assert [f.answer for f in finishes] == [True, True]
+    assert asked == [2]
+    ((got, reserved),) = delivered
+    assert reserved == 2 and [str(run.id) for run in got] == [str(run.id) for run in runs[:2]]
+    completer._write([Finish(*insert_claimed_run(db, tasks=1)) for _ in range(3)])
+    assert asked == [2, 3]
+    assert [str(run.id) for run in delivered[1][0]] == [str(runs[2].id)]
+    assert delivered[1][1] == 3
+
+
+def test_the_drain_waits_for_the_finishes_handed_over(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """`stop()` returns only once the finish a worker thread handed over has committed
+    (held meanwhile on a row lock): the run succeeds, it is not released to be run
+    again."""
+    entered, go_on = threading.Event(), threading.Event()
+
+    def handler(run: workflow.TaskRun[Inp]) -> Out:
+        entered.set()
+        go_on.wait(10)
+        return Out("x")
+
+    reg, wf = registry(workflow.handle(A, handler))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    (run,) = start_waiting(db, wf, mgr, 1)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1, listen=False))
+    runnable.start()
+    assert entered.wait(10)
+    stopper = threading.Thread(target=runnable.stop, kwargs={"timeout": 30})
+    with psycopg.connect(db_url) as blocker:
+        lock_row(blocker, run.id)
+        go_on.set()
+        wait_until(lambda: bool(seen.of(FinishHandedOver)), "the finish handed over")
+        stopper.start()
+        time.sleep(0.3)
+        assert stopper.is_alive(), "the drain waits for the finish"
+        assert status_of(db, run.id) == ("running", True, 0)
+        blocker.rollback()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive()
+    assert status_of(db, run.id) == ("succeeded", False, 0)
+
+
+@pytest.mark.parametrize("raised_on", [RunFinished, ExecutionEnded])
+def test_a_subscriber_raising_on_the_completers_thread_stops_nothing(
+    make_manager: Any, db: psycopg.Connection[Any], raised_on: type
+) -> None:
+    """A `SystemExit` that a subscriber raises as a handed-over run finishes (on the
+    completer's thread) is logged; the execution still ends (uncounted, its claim no
+    longer heartbeated) and the completer goes on writing the other runs' finishes."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runs = start_waiting(db, wf, mgr, 6)
+    doomed = runs[0].id
+
+    def exit_on(event: Any) -> None:
+        if isinstance(event, raised_on) and event.run_id == doomed:
+            raise SystemExit(3)
+
+    mgr.events.subscribe(exit_on)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.1, concurrency=2, batch_size=2, listen=False)
+    )
+    runnable.start()
+    try:
+        poll(db, "SELECT count(*) = 6 FROM workflow_runs WHERE status = 'succeeded'",
+             timeout=30, what="every run to succeed")
+    finally:
+        assert runnable.stop(timeout=10)
+    assert mgr._executor._in_flight == 0
+    assert not mgr._executor.heartbeat.claims()

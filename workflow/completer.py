@@ -1,0 +1,160 @@
+"""A worker's completer: the finishing writes of its runs, made in batches by a thread of
+their own, so that a worker thread goes on with another run as soon as its run's last
+handler has returned (River's batch completer is the model).
+
+Without it a worker thread waits for its run's finish to commit before it can take
+another run, and its run counts against `concurrency` until then: under load half a
+worker's threads wait on the statement that carries their finishes while the other
+half runs, so a worker drains at most `concurrency` runs per round trip of that
+statement, often half of it (bench/README.md, "One worker's 16 threads").
+
+Here a poller's execution whose last task succeeded hands its finishing write to the
+completer (`hand`) and ends: its thread and its place in `concurrency` are free at
+once. The completer takes every finish handed to it since its last statement and
+writes them in one statement and one commit, which also claims a run for each place
+they left free (`Store.finish_runs`); the claimed runs go to the poller's threads
+(`deliver`), and each finished execution's end (its events, its waiters, its count
+in flight) follows from the completer's thread once its write has committed.
+Nothing is announced before its write commits, and a run's next task never begins
+on an output that is not durable: only a run's *last* write is handed over.
+
+Each finish still learns whether its own fence matched: one whose claim was lost
+ends as lost, the others succeed. When the statement fails, what it may have claimed
+is let go of and each finish is written again alone, first looking for what the
+failed try did; one that cannot be written is counted as a failed attempt, as a
+thread's own would be.
+
+At most `limit` finishes wait for the completer at once; a thread handing one more
+waits for room, so a worker holds at most twice `concurrency` claims: its runs
+executing, and the finishes on their way. A drain (`Executor.drain`) waits for
+every finish handed over, as for any execution in flight; `stop()` follows it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from workflow.logs import EngineLog
+from workflow.store import ClaimedRun, Store
+
+
+class Finish(Protocol):
+    """What the completer needs of an execution whose finishing write it makes."""
+
+    params: dict[str, Any]
+    """The write's parameters (`Store.step_params`)."""
+
+    def resolve(self, answer: bool | Exception) -> None:
+        """End the execution on what the write did: whether its claim matched, or the error
+        that writing it raised. Raises nothing of its own."""
+
+
+class Completer:
+    """Writes the finishes handed to it in batches, claiming runs for the room they leave.
+
+    `reserve(n)` takes up to `n` free places of the poller's `concurrency` (0 while it
+    stops) for the claim that rides with a batch; `deliver(runs, reserved)` hands the
+    runs claimed to the poller's threads and frees the places left unused.
+    """
+
+    name = "workflow-completer"
+
+    def __init__(
+        self,
+        store: Store,
+        log: EngineLog,
+        workflows: Sequence[str],
+        limit: int,
+        reserve: Callable[[int], int],
+        deliver: Callable[[list[ClaimedRun], int], None],
+    ) -> None:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        self._store = store
+        self._log = log
+        self._workflows = tuple(workflows)
+        self._limit = limit
+        self._reserve = reserve
+        self._deliver = deliver
+        self._pending: list[Finish] = []
+        self._cond = threading.Condition(threading.Lock())
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.statements = 0
+        """Statements made, for tests and benchmarks."""
+
+    @property
+    def pending(self) -> int:
+        """How many finishes wait for the next statement."""
+        return len(self._pending)
+
+    def start(self) -> None:
+        """Start the thread, once; does nothing after `stop()`."""
+        with self._cond:
+            if self._thread is not None or self._stopping:
+                return
+            thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
+            thread.start()
+            self._thread = thread
+
+    def hand(self, finish: Finish) -> None:
+        """Queue `finish` for the next statement; waits while `limit` are queued already.
+
+        Once the completer has stopped (its thread gone), the finish is written at
+        once on the caller's thread."""
+        with self._cond:
+            while len(self._pending) >= self._limit and self._running():
+                self._cond.wait()
+            if self._running():
+                self._pending.append(finish)
+                if len(self._pending) == 1:
+                    self._cond.notify_all()
+                return
+        self._write([finish])
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop once every finish handed over is written and resolved (waiting up to `timeout`)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def _running(self) -> bool:
+        """Whether the thread takes finishes (the lock held)."""
+        return self._thread is not None and not (self._stopping and not self._pending)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stopping:
+                    self._cond.wait()
+                if not self._pending:
+                    self._thread = None  # from now on `hand` writes on its caller's thread
+                    return
+                batch, self._pending = self._pending, []
+                self._cond.notify_all()  # room for the threads waiting to hand one
+            self._write(batch)
+
+    def _write(self, batch: list[Finish]) -> None:
+        """One statement for `batch` (and a claim for the room it leaves), then each end."""
+        reserved = self._reserve(len(batch))
+        runs: list[ClaimedRun] = []
+        try:
+            answers, runs = self._store.finish_runs(
+                [finish.params for finish in batch], self._workflows, reserved
+            )
+        except Exception as e:  # finish_runs writes alone what fails together: a bug
+            self._log.exception("writing %d finishing steps failed", len(batch))
+            answers = [e] * len(batch)
+        finally:
+            self.statements += 1
+            self._deliver(runs, reserved)
+        for finish, answer in zip(batch, answers, strict=True):
+            try:
+                finish.resolve(answer)
+            except BaseException:  # a subscriber's SystemExit, say: the others still end
+                self._log.exception("ending an execution whose finish was written raised")
