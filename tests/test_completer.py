@@ -13,6 +13,7 @@ finish handed over; a full completer makes the next thread wait.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -20,7 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, insert_claimed_run, poll, registry, wait_until
+from helpers import Inp, Out, Records, insert_claimed_run, poll, registry, wait_until
 
 import workflow
 from workflow import Status
@@ -33,6 +34,7 @@ from workflow.events import (
     Outcome,
     RunFinished,
 )
+from workflow.executor import Executor
 from workflow.store import ClaimedRun, Store
 
 A = workflow.Task("a", Out)
@@ -79,7 +81,7 @@ def lock_row(blocker: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
 
 def completer_of(mgr: workflow.Manager, limit: int = 4) -> Completer:
     """A completer over `mgr`'s store that claims nothing (no poller behind it)."""
-    completer = Completer(mgr._store, mgr._executor.log, ["W"], limit,
+    completer = Completer(mgr._store, mgr._executor.log, ["W"], limit, lambda: None,
                           lambda wanted: 0, lambda runs, reserved: None)
     completer.start()
     return completer
@@ -201,9 +203,9 @@ def test_a_finish_the_database_refuses_counts_a_failed_attempt(
 def test_a_full_completer_makes_the_next_thread_wait(
     make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:
-    """With `limit` finishes waiting for the statement in flight, a thread handing one
-    more waits until the completer takes them: a worker never holds more than twice
-    its concurrency in claims."""
+    """With `limit` finishes on their way (one in the statement in flight, the others
+    waiting for the next), a thread handing one more waits until the statement in
+    flight ends: a worker never holds more than twice its concurrency in claims."""
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
@@ -215,19 +217,20 @@ def test_a_full_completer_makes_the_next_thread_wait(
         executor.admit()
         executor.execute(first, completer=completer)
         wait_until(lambda: completer.pending == 0, "the first finish in flight")
-        for run in others[:2]:
-            executor.admit()
-            executor.execute(run, completer=completer)
+        executor.admit()
+        executor.execute(others[0], completer=completer)
         last = threading.Thread(
-            target=lambda: (executor.admit(), executor.execute(others[2], completer=completer))
+            target=lambda: (executor.admit(), executor.execute(others[1], completer=completer))
         )
         last.start()
         time.sleep(0.3)
         assert last.is_alive(), "the third finish waits for room"
-        assert completer.pending == 2
+        assert completer.pending == 1
         blocker.rollback()
     last.join(timeout=10)
     assert not last.is_alive()
+    executor.admit()
+    executor.execute(others[2], completer=completer)
     wait_until(lambda: len(seen.of(ExecutionEnded)) == 4, "every execution's end")
     assert [status_of(db, run.id)[0] for run in (first, *others)] == ["succeeded"] * 4
     completer.stop(10)
@@ -266,7 +269,7 @@ def test_a_batch_claims_runs_in_the_places_its_finishes_left_and_delivers_them(
         return wanted
 
     store: Store = mgr._store
-    completer = Completer(store, mgr._executor.log, ["W"], 4, reserve,
+    completer = Completer(store, mgr._executor.log, ["W"], 4, lambda: None, reserve,
                           lambda got, reserved: delivered.append((got, reserved)))
     finished = [insert_claimed_run(db, tasks=1) for _ in range(2)]
 
@@ -327,18 +330,19 @@ def test_the_drain_waits_for_the_finishes_handed_over(
 
 @pytest.mark.parametrize("raised_on", [RunFinished, ExecutionEnded])
 def test_a_subscriber_raising_on_the_completers_thread_stops_nothing(
-    make_manager: Any, db: psycopg.Connection[Any], raised_on: type
+    make_manager: Any, db: psycopg.Connection[Any], raised_on: type,
+    logs: tuple[logging.Logger, Records],
 ) -> None:
     """A `SystemExit` that a subscriber raises as a handed-over run finishes (on the
     completer's thread) is logged; the execution still ends (uncounted, its claim no
     longer heartbeated) and the completer goes on writing the other runs' finishes."""
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
-    mgr = make_manager(reg)
+    mgr = make_manager(reg, logger=logs[0])
     runs = start_waiting(db, wf, mgr, 6)
-    doomed = runs[0].id
+    doomed = str(runs[0].id)
 
     def exit_on(event: Any) -> None:
-        if isinstance(event, raised_on) and event.run_id == doomed:
+        if isinstance(event, raised_on) and str(event.run_id) == doomed:
             raise SystemExit(3)
 
     mgr.events.subscribe(exit_on)
@@ -351,5 +355,104 @@ def test_a_subscriber_raising_on_the_completers_thread_stops_nothing(
              timeout=30, what="every run to succeed")
     finally:
         assert runnable.stop(timeout=10)
+    raised = logs[1].wait_for("ending an execution whose finish was written raised")
+    assert raised.threadName == "workflow-completer"
     assert mgr._executor._in_flight == 0
     assert not mgr._executor.heartbeat.claims()
+    assert runnable._poller._running == 0
+
+
+def test_a_subscriber_raising_as_a_finish_is_handed_over_loses_no_success(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """A `SystemExit` raised by a subscriber of `FinishHandedOver` (on the handler's
+    thread) does not keep the finish from the completer: the success is written, not
+    left claimed without a heartbeat for the sweeper to count as a failed attempt."""
+    calls: list[int] = []
+
+    def handler(run: workflow.TaskRun[Inp]) -> Out:
+        calls.append(run.attempt)
+        return Out("x")
+
+    reg, wf = registry(workflow.handle(A, handler))
+    mgr = make_manager(reg)
+    (run,) = start_waiting(db, wf, mgr, 1)
+
+    def exit_on(event: Any) -> None:
+        if isinstance(event, FinishHandedOver):
+            raise SystemExit(3)
+
+    mgr.events.subscribe(exit_on)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.1, concurrency=1, listen=False)
+    )
+    runnable.start()
+    try:
+        poll(db, "SELECT status = 'succeeded' FROM workflow_runs WHERE id = %s", (run.id,),
+             timeout=20, what="the run to succeed")
+    finally:
+        assert runnable.stop(timeout=10)
+    assert calls == [1]
+    assert mgr._executor._in_flight == 0 and not mgr._executor.heartbeat.claims()
+    assert runnable._poller._running == 0
+
+
+def test_a_thread_slow_to_come_back_from_a_hand_over_leaves_no_place_idle(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run's place is free from the moment its finish is handed over, not from when its
+    thread comes back (here 0.1 s later, as a preempted thread might): the completer
+    claims in it, and a backlog never waits out the poll interval (5 s) with places
+    free."""
+    execute = Executor.execute
+
+    def slow_to_come_back(self: Executor, run: ClaimedRun, **kwargs: Any) -> bool:
+        handed = execute(self, run, **kwargs)
+        if handed:
+            time.sleep(0.1)
+        return handed
+
+    monkeypatch.setattr(Executor, "execute", slow_to_come_back)
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    start_waiting(db, wf, mgr, 4)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=5, concurrency=1, listen=False)
+    )
+    began = time.monotonic()
+    runnable.start()
+    try:
+        poll(db, "SELECT count(*) = 4 FROM workflow_runs WHERE status = 'succeeded'",
+             timeout=30, what="every run to succeed")
+    finally:
+        assert runnable.stop(timeout=10)
+    assert time.monotonic() - began < 4, "a place stayed idle for a poll interval"
+    assert runnable._poller._running == 0
+
+
+def test_a_failure_to_hand_over_what_a_batch_claimed_stops_nothing(
+    make_manager: Any, db: psycopg.Connection[Any], logs: tuple[logging.Logger, Records]
+) -> None:
+    """`deliver` raising (it cannot start a thread, say) is logged: the batch's executions
+    still end and the completer goes on taking finishes."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg, logger=logs[0])
+    seen = Seen(mgr)
+    start_waiting(db, wf, mgr, 2)
+    failures = [RuntimeError("no thread")]
+
+    def deliver(runs: list[ClaimedRun], reserved: int) -> None:
+        if failures:
+            raise failures.pop()
+
+    completer = Completer(mgr._store, mgr._executor.log, ["W"], 4, lambda: None,
+                          lambda wanted: 0, deliver)
+    completer.start()
+    executor = mgr._executor
+    for run in mgr._store.claim_runs(["W"], 2):
+        executor.admit()
+        assert executor.execute(run, completer=completer) is True
+        wait_until(lambda: not executor.heartbeat.claims(), "the execution's end")
+    assert len(seen.of(ExecutionEnded)) == 2 and executor._in_flight == 0
+    logs[1].wait_for("handing over the runs a batch claimed failed")
+    completer.stop(10)

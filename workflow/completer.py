@@ -24,10 +24,11 @@ is let go of and each finish is written again alone, first looking for what the
 failed try did; one that cannot be written is counted as a failed attempt, as a
 thread's own would be.
 
-At most `limit` finishes wait for the completer at once; a thread handing one more
-waits for room, so a worker holds at most twice `concurrency` claims: its runs
-executing, and the finishes on their way. A drain (`Executor.drain`) waits for
-every finish handed over, as for any execution in flight; `stop()` follows it.
+At most `limit` finishes are on their way at once (waiting for a statement, or in
+the one being written); a thread handing one more waits for room, so a worker holds
+at most twice `concurrency` claims: its runs executing, and the finishes on their
+way. A drain (`Executor.drain`) waits for every finish handed over, as for any
+execution in flight; `stop()` follows it.
 """
 
 from __future__ import annotations
@@ -54,9 +55,11 @@ class Finish(Protocol):
 class Completer:
     """Writes the finishes handed to it in batches, claiming runs for the room they leave.
 
-    `reserve(n)` takes up to `n` free places of the poller's `concurrency` (0 while it
-    stops) for the claim that rides with a batch; `deliver(runs, reserved)` hands the
-    runs claimed to the poller's threads and frees the places left unused.
+    `release()` frees the place of the run whose finish is being handed over (called
+    on the handing thread before the finish can be taken, so a batch's claim sees
+    it); `reserve(n)` takes up to `n` free places of the poller's `concurrency` (0
+    while it stops) for the claim that rides with a batch; `deliver(runs, reserved)`
+    hands the runs claimed to the poller's threads and frees the places left unused.
     """
 
     name = "workflow-completer"
@@ -67,6 +70,7 @@ class Completer:
         log: EngineLog,
         workflows: Sequence[str],
         limit: int,
+        release: Callable[[], None],
         reserve: Callable[[int], int],
         deliver: Callable[[list[ClaimedRun], int], None],
     ) -> None:
@@ -76,9 +80,11 @@ class Completer:
         self._log = log
         self._workflows = tuple(workflows)
         self._limit = limit
+        self._release = release
         self._reserve = reserve
         self._deliver = deliver
         self._pending: list[Finish] = []
+        self._writing = 0  # finishes in the statement being written
         self._cond = threading.Condition(threading.Lock())
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -100,13 +106,14 @@ class Completer:
             self._thread = thread
 
     def hand(self, finish: Finish) -> None:
-        """Queue `finish` for the next statement; waits while `limit` are queued already.
+        """Queue `finish` for the next statement; waits while `limit` are on their way.
 
         Once the completer has stopped (its thread gone), the finish is written at
         once on the caller's thread."""
         with self._cond:
-            while len(self._pending) >= self._limit and self._running():
+            while len(self._pending) + self._writing >= self._limit and self._running():
                 self._cond.wait()
+            self._release()
             if self._running():
                 self._pending.append(finish)
                 if len(self._pending) == 1:
@@ -128,31 +135,46 @@ class Completer:
         return self._thread is not None and not (self._stopping and not self._pending)
 
     def _loop(self) -> None:
-        while True:
-            with self._cond:
-                while not self._pending and not self._stopping:
-                    self._cond.wait()
-                if not self._pending:
-                    self._thread = None  # from now on `hand` writes on its caller's thread
-                    return
-                batch, self._pending = self._pending, []
-                self._cond.notify_all()  # room for the threads waiting to hand one
-            self._write(batch)
+        try:
+            while True:
+                with self._cond:
+                    while not self._pending and not self._stopping:
+                        self._cond.wait()
+                    if not self._pending:
+                        return
+                    batch, self._pending = self._pending, []
+                    self._writing = len(batch)
+                try:
+                    self._write(batch)
+                finally:
+                    with self._cond:
+                        self._writing = 0
+                        self._cond.notify_all()  # room for the threads waiting to hand one
+        finally:
+            with self._cond:  # from now on `hand` writes on its caller's thread
+                self._thread = None
+                left, self._pending = self._pending, []
+                self._cond.notify_all()
+            if left:  # only after a failure of the loop itself: never leave one unwritten
+                self._write(left)
 
     def _write(self, batch: list[Finish]) -> None:
         """One statement for `batch` (and a claim for the room it leaves), then each end."""
-        reserved = self._reserve(len(batch))
+        reserved = 0
         runs: list[ClaimedRun] = []
         try:
+            reserved = self._reserve(len(batch))
             answers, runs = self._store.finish_runs(
                 [finish.params for finish in batch], self._workflows, reserved
             )
         except Exception as e:  # finish_runs writes alone what fails together: a bug
             self._log.exception("writing %d finishing steps failed", len(batch))
             answers = [e] * len(batch)
-        finally:
-            self.statements += 1
+        self.statements += 1
+        try:
             self._deliver(runs, reserved)
+        except BaseException:  # the batch's executions must end all the same
+            self._log.exception("handing over the runs a batch claimed failed")
         for finish, answer in zip(batch, answers, strict=True):
             try:
                 finish.resolve(answer)

@@ -187,7 +187,6 @@ class Executor:
         execution.completer = completer
         outer = getattr(_executing, "current", None)
         _executing.current = (self, run.id)
-        handed = False
         try:
             try:
                 self.events.look()
@@ -200,16 +199,16 @@ class Executor:
                     )
                 execution.run()
             except _HandedOver:
-                handed = True
+                pass
             except _Stop:
                 pass
             except Exception as e:
                 execution.engine_failed(e)
         finally:
             _executing.current = outer
-            if not handed:  # else the completer ends it, once its last write has committed
+            if not execution.handed:  # else the completer ends it, once its write committed
                 execution.end()
-        return handed
+        return execution.handed
 
     def hold(self, run: ClaimedRun) -> Claim:
         """Heartbeat the claim on `run` (admitted, not yet executing) from now on, so it
@@ -290,6 +289,8 @@ class _Execution:
         self.wake_key = True  # a keyed run's finish or park wakes the pollers
         self.completer: Completer | None = None  # a worker's, to hand the last write to
         self.params: dict[str, Any] = {}  # that write's parameters, when handed over
+        self.handed = False  # whether it was: the completer ends the execution then
+        self.handed_at = 0.0  # when (monotonic): the attempt's end, for its duration
         self._log: EngineLog | None = None
 
     @property
@@ -488,9 +489,15 @@ class _Execution:
             self.params = executor.store.step_params(
                 self.run_row.id, self.run_row.claim_id, seq, document, next_seq, True
             )
-            if executor.events.active:
-                executor.events.emit(FinishHandedOver(self.run_row.id, self.run_row.workflow))
-            self.completer.hand(self)
+            self.handed_at = time.monotonic()
+            try:
+                if executor.events.active:
+                    executor.events.emit(
+                        FinishHandedOver(self.run_row.id, self.run_row.workflow)
+                    )
+            finally:  # a subscriber's interrupt too: the success is the completer's to write
+                self.completer.hand(self)
+                self.handed = True
             raise _HandedOver
         matched = executor.store.complete_task(
             self.run_row.id, self.run_row.claim_id, seq, document, next_seq, finishes,
@@ -524,7 +531,7 @@ class _Execution:
                 ran = self.unrecorded
                 self.unrecorded = None
                 if ran is not None and self.executor.events.active:
-                    self.attempt_ended(ran, Outcome.SUCCEEDED, None)
+                    self.attempt_ended(ran, Outcome.SUCCEEDED, None, ended=self.handed_at)
                 self.finished(Status.SUCCEEDED)
             except _Stop:
                 pass
@@ -580,12 +587,16 @@ class _Execution:
 
     # What happened, for subscribers.
 
-    def attempt_ended(self, ran: _Ran, outcome: Outcome, error: BaseException | None) -> None:
-        """Announce how an attempt ended (callers check `events.active` first: it is hot)."""
+    def attempt_ended(
+        self, ran: _Ran, outcome: Outcome, error: BaseException | None, *, ended: float = 0.0
+    ) -> None:
+        """Announce how an attempt ended (callers check `events.active` first: it is hot);
+        `ended`: when (monotonic), if not now (a finish handed to the completer: its
+        duration leaves out the wait for the completer's statement)."""
         self.executor.events.emit(
             AttemptEnded(
                 self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
-                ran.row.attempts + 1, outcome, time.monotonic() - ran.began, error,
+                ran.row.attempts + 1, outcome, (ended or time.monotonic()) - ran.began, error,
                 claim_lost=self.claim.reason == LOST,
             )
         )

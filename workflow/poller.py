@@ -80,9 +80,11 @@ class Poller(Service):
         # `concurrency`.
         self._running = 0
         self._lock = threading.Lock()
+        self._handed = threading.local()  # `flag`: this thread's run went to the completer
+        self._batch_turn = False  # with keyed workflows: whether the loop claims this time
         self.completer = Completer(
             executor.store, executor.log, self._workflows, settings.concurrency,
-            self._reserve, self._deliver,
+            self._handed_over, self._reserve_for_batch, self._deliver,
         )
         """Writes the finishes of this poller's runs; `Runnable.stop` stops it after the
         drain."""
@@ -125,6 +127,23 @@ class Poller(Service):
             taken = max(0, min(wanted, self._settings.concurrency - self._running))
             self._running += taken
         return taken
+
+    def _handed_over(self) -> None:
+        """The calling thread's run handed its finish to the completer: its place is free
+        now, before the completer can take the finish (so its claim sees the place)."""
+        with self._lock:
+            self._running -= 1
+        self._handed.flag = True
+
+    def _reserve_for_batch(self, wanted: int) -> int:
+        """Places for the claim riding with one of the completer's batches. With keyed
+        workflows registered, every other batch leaves its places to this loop (none
+        reserved: `_deliver` wakes it), whose rounds give keys' waiting runs their turn."""
+        if self._keyed:
+            self._batch_turn = not self._batch_turn
+            if self._batch_turn:
+                return 0
+        return self._reserve(wanted)
 
     def _deliver(self, runs: list[ClaimedRun], reserved: int) -> None:
         """Hand over `runs`, claimed in `reserved` places; free the places left unused, and
@@ -246,10 +265,15 @@ class Poller(Service):
             executor.dismiss()
             with self._lock:
                 self._running -= 1
-            executor.store.release_claim(run.id, run.claim_id)
+            try:
+                executor.store.release_claim(run.id, run.claim_id)
+            except Exception:
+                executor.log.exception(
+                    "poller: releasing a run no thread will execute failed: the sweeper "
+                    "will release it"
+                )
 
     def _execute(self, run: ClaimedRun) -> None:
-        handed = False
         try:
             following: ClaimedRun | None = run
             while following is not None:
@@ -261,10 +285,14 @@ class Poller(Service):
                 )
                 following = None if handed else self._next_of_key(following)
         finally:
-            with self._lock:
-                self._running -= 1
-            self._due_changed_here = True  # it may have left its run for a later retry
-            if not handed:  # else the completer's claim fills its place, or wakes the loop
+            if getattr(self._handed, "flag", False):
+                # Its place was freed as it was handed over (even if an interrupt came
+                # after): the completer's claim fills it, or wakes this loop.
+                self._handed.flag = False
+            else:
+                with self._lock:
+                    self._running -= 1
+                self._due_changed_here = True  # it may have left its run for a later retry
                 self._wake.set()  # room to claim again
 
     def _claim_heads(self, room: int) -> list[ClaimedRun]:
