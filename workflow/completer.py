@@ -8,13 +8,18 @@ worker's threads wait on the statement that carries their finishes while the oth
 half runs, so a worker drains at most `concurrency` runs per round trip of that
 statement, often half of it (bench/README.md, "One worker's 16 threads").
 
-Here a poller's execution whose last task succeeded hands its finishing write to the
-completer (`hand`) and ends: its thread and its place in `concurrency` are free at
-once. The completer takes every finish handed to it since its last statement and
+Here a poller's execution of an unkeyed run whose last task succeeded hands its
+finishing write to the completer (`hand`, which waits while the completer is full)
+and ends: its thread and its place in `concurrency` are free from then on. Keyed
+runs, and every run during a drain, write their last step as before. The completer
+takes every finish handed to it since its last statement and
 writes them in one statement and one commit, which also claims a run for each place
 they left free (`Store.finish_runs`); the claimed runs go to the poller's threads
 (`deliver`), and each finished execution's end (its events, its waiters, its count
-in flight) follows from the completer's thread once its write has committed.
+in flight) follows from the completer's thread once its write has committed (from
+the handing thread itself once the completer has stopped: it writes the finish at
+once). At interpreter exit the completer writes what it holds, after the run
+threads' jobs have ended.
 Nothing is announced before its write commits, and a run's next task never begins
 on an output that is not durable: only a run's *last* write is handed over.
 
@@ -33,12 +38,22 @@ execution in flight; `stop()` follows it.
 
 from __future__ import annotations
 
+import atexit
+import os
 import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from workflow.logs import EngineLog
+from workflow.runthreads import wait_for_run_threads
 from workflow.store import ClaimedRun, Store
+
+EXIT_PATIENCE = 60.0
+"""Seconds interpreter exit waits for a completer to write what it holds; after that
+(a database unreachable, a row lock held by an idle transaction) exit goes on, and
+the runs left claimed are released by a sweeper, which counts an attempt for each."""
 
 
 class Finish(Protocol):
@@ -57,8 +72,9 @@ class Completer:
 
     `release()` frees the place of the run whose finish is being handed over (called
     on the handing thread before the finish can be taken, so a batch's claim sees
-    it); `reserve(n)` takes up to `n` free places of the poller's `concurrency` (0
-    while it stops) for the claim that rides with a batch; `deliver(runs, reserved)`
+    it); `reserve(n)` takes up to `n` free places of the poller's `concurrency` (maybe
+    none: it stops, or leaves this batch's places to its own loop) for the claim that
+    rides with a batch; `deliver(runs, reserved)`
     hands the runs claimed to the poller's threads and frees the places left unused.
     """
 
@@ -90,11 +106,28 @@ class Completer:
         self._stopping = False
         self.statements = 0
         """Statements made, for tests and benchmarks."""
+        _live.add(self)
 
     @property
     def pending(self) -> int:
         """How many finishes wait for the next statement."""
         return len(self._pending)
+
+    @property
+    def writing(self) -> int:
+        """How many finishes are in the statement being written."""
+        return self._writing
+
+    @property
+    def alive(self) -> bool:
+        """Whether the completer's thread still runs."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    @property
+    def log(self) -> EngineLog:
+        """Where the completer logs."""
+        return self._log
 
     def start(self) -> None:
         """Start the thread, once; does nothing after `stop()`."""
@@ -108,8 +141,9 @@ class Completer:
     def hand(self, finish: Finish) -> None:
         """Queue `finish` for the next statement; waits while `limit` are on their way.
 
-        Once the completer has stopped (its thread gone), the finish is written at
-        once on the caller's thread."""
+        Once the completer stops taking finishes (it was never started, or it is
+        stopping with none left), the finish is written at once on the caller's
+        thread."""
         with self._cond:
             while len(self._pending) + self._writing >= self._limit and self._running():
                 self._cond.wait()
@@ -159,14 +193,18 @@ class Completer:
                 self._write(left)
 
     def _write(self, batch: list[Finish]) -> None:
-        """One statement for `batch` (and a claim for the room it leaves), then each end."""
+        """One statement for `batch` (and a claim for the room it leaves), then each end.
+        Raises nothing: every finish of the batch is resolved, whatever fails."""
         reserved = 0
         runs: list[ClaimedRun] = []
+        answers: list[bool | Exception] = []
         try:
             reserved = self._reserve(len(batch))
             answers, runs = self._store.finish_runs(
                 [finish.params for finish in batch], self._workflows, reserved
             )
+            if len(answers) != len(batch):
+                raise RuntimeError(f"{len(answers)} answers for {len(batch)} finishes")
         except Exception as e:  # finish_runs writes alone what fails together: a bug
             self._log.exception("writing %d finishing steps failed", len(batch))
             answers = [e] * len(batch)
@@ -180,3 +218,32 @@ class Completer:
                 finish.resolve(answer)
             except BaseException:  # a subscriber's SystemExit, say: the others still end
                 self._log.exception("ending an execution whose finish was written raised")
+
+
+_live: weakref.WeakSet[Completer] = weakref.WeakSet()
+
+
+def _forget_after_fork() -> None:
+    # A child has none of the parent's threads: its exit must not wait on them.
+    _live.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    # A process that exits without stopping its runnables (runthreads.py waits for the
+    # run threads' jobs at exit) must not leave the finishes those jobs handed over
+    # unwritten: a run that succeeded would be swept and charged a failed attempt. So
+    # the run threads are waited for first (whichever exit hook runs first), then each
+    # completer writes what it holds and stops.
+    wait_for_run_threads()
+    deadline = time.monotonic() + EXIT_PATIENCE
+    for completer in list(_live):
+        completer.stop(max(0.0, deadline - time.monotonic()))
+        if completer.alive:
+            completer.log.warning(
+                "exit: %d finishes not written after %gs; a sweeper will release their runs",
+                completer.pending + completer.writing, EXIT_PATIENCE,
+            )

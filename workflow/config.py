@@ -191,10 +191,11 @@ class RunnerConfig:
     `prune_interval` 300 s, `retention` `Retention()` (succeeded 7 days, cancelled
     30 days, parked kept).
 
-    `concurrency` is how many runs the poller executes at once, one thread each. A
-    run whose last task succeeded stops counting when its thread hands the
+    `concurrency` is how many runs the poller executes at once, one thread each. An
+    unkeyed run whose last task succeeded stops counting when its thread hands the
     finishing write to the poller's completer; at most `concurrency` such writes
-    wait for it, so a worker holds at most twice `concurrency` claims.
+    are on their way (queued or being written), so a worker holds at most twice
+    `concurrency` claims.
     """
 
     poll_interval: Duration | None = attrs.field(default=None, metadata=_option(30.0, "duration"))

@@ -14,7 +14,7 @@ finishes it). A 3-task run on the fast path costs 4 transactions. A failed
 attempt costs one more (it records the failure and parks or schedules the retry
 in the same statement); a shutdown or a long backoff costs one release. Steps
 of runs finishing tasks at the same moment share one (group commit); on a
-worker, a run's last step is handed to the worker's completer (completer.py),
+worker, an unkeyed run's last step is handed to the worker's completer (completer.py),
 which writes the finishes of many runs in one commit that also claims the runs
 taking their place, while the run's thread goes on with another.
 
@@ -172,11 +172,11 @@ class Executor:
         its finish or park wakes no poller for it; `claim`: the run's claim, already
         heartbeated since the run was claimed (`hold()`; default: heartbeated from
         now); `completer`: a worker's completer, to which the run's last write is
-        handed when its last task succeeds (the execution then ends on the
-        completer's thread, once that write has committed). True when it was
-        handed over. Raises nothing of its own (see the module doc for what an
-        unexpected error does), but a `SystemExit` or `KeyboardInterrupt` raised by
-        a handler is recorded as a failed attempt and then propagates.
+        handed when its last task succeeds (the completer then ends and uncounts the
+        execution, once that write has committed). True when it was handed over.
+        Raises nothing of its own (see the module doc for what an unexpected error
+        does), but a `SystemExit` or `KeyboardInterrupt` raised by a handler is
+        recorded as a failed attempt and then propagates.
         """
         if claim is None:
             claim = self.hold(run)

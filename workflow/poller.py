@@ -13,7 +13,9 @@ statement in one statement and one commit, which also claims a run for each plac
 the finished runs left free; those go to this poller's threads. Under load a
 worker's run so costs one share of a transaction for its finish and for the claim
 of the run taking its place, and no thread waits for either; when that claim
-finds fewer runs than it had room for, this loop is woken to claim as before.
+finds fewer runs than it had room for, this loop is woken to claim as before. With
+keyed workflows registered, every other batch claims nothing and wakes this loop
+instead, whose rounds give keys' waiting runs their turn.
 
 A claim is one statement (`FOR UPDATE SKIP LOCKED`, so pollers in many processes
 never claim the same run) that also returns each run's task snapshot. It claims
@@ -121,7 +123,11 @@ class Poller(Service):
     def _reserve(self, wanted: int) -> int:
         """Take up to `wanted` free places of `concurrency` for a claim about to be made
         (none once stopping or draining); how many were taken."""
-        if self._stopping.is_set() or self._executor.draining.is_set():
+        if (
+            self._stopping.is_set()
+            or self._executor.draining.is_set()
+            or self._threads.closed  # interpreter exit: no thread would take a run
+        ):
             return 0
         with self._lock:
             taken = max(0, min(wanted, self._settings.concurrency - self._running))
@@ -148,7 +154,8 @@ class Poller(Service):
     def _deliver(self, runs: list[ClaimedRun], reserved: int) -> None:
         """Hand over `runs`, claimed in `reserved` places; free the places left unused, and
         wake this loop to claim in them (the completer's claim found fewer runs than it
-        had room for, or claimed none)."""
+        had room for, or claimed none). `_hand_over` raises nothing of its own (a run no
+        thread takes is released and its place freed)."""
         for run in runs:
             self._hand_over(run)
         unused = reserved - len(runs)
@@ -261,7 +268,7 @@ class Poller(Service):
         executor.admit()
         try:
             self._threads.submit(self._execute, run)
-        except RuntimeError:  # stop() gave up joining us and shut the threads down
+        except Exception:  # shut down (stop() gave up joining us), or no thread to start
             executor.dismiss()
             with self._lock:
                 self._running -= 1
@@ -274,6 +281,7 @@ class Poller(Service):
                 )
 
     def _execute(self, run: ClaimedRun) -> None:
+        self._handed.flag = False  # set by `_handed_over`, on this thread, for this run
         try:
             following: ClaimedRun | None = run
             while following is not None:
@@ -289,6 +297,7 @@ class Poller(Service):
                 # Its place was freed as it was handed over (even if an interrupt came
                 # after): the completer's claim fills it, or wakes this loop.
                 self._handed.flag = False
+                self._due_changed_here = True  # its finish may yet fail, for a retry
             else:
                 with self._lock:
                     self._running -= 1

@@ -8,7 +8,9 @@ back from a job takes one short lock.
 
 Exit keeps the executor's promise: at interpreter exit (and at `shutdown()`)
 every thread gets a stop marker behind the jobs already queued, and exit waits
-for the threads, so executions in flight finish rather than being cut off.
+for the threads, so executions in flight finish rather than being cut off (a
+worker's finishes handed to its completer are then written by the completer's own
+exit hook).
 """
 
 from __future__ import annotations
@@ -81,6 +83,11 @@ class RunThreads:
             with self._lock:
                 self._idle += 1
 
+    @property
+    def closed(self) -> bool:
+        """Whether jobs are refused (`shutdown()`, or interpreter exit)."""
+        return self._closed
+
     def shutdown(self, wait: bool = False, timeout: float | None = None) -> None:
         """Refuse new jobs; each thread stops after the jobs already queued.
 
@@ -108,9 +115,16 @@ def _forget_after_fork() -> None:
 os.register_at_fork(after_in_child=_forget_after_fork)
 
 
+def wait_for_run_threads() -> None:
+    """Refuse new jobs and wait for every live `RunThreads`' jobs (at interpreter exit)."""
+    for threads in list(_live):
+        threads.shutdown(wait=True)
+
+
 @atexit.register
 def _finish_at_exit() -> None:
     # The threads are daemons, so they do not hold the interpreter open by
-    # themselves; atexit runs while they still can, and waits for their jobs.
-    for threads in list(_live):
-        threads.shutdown(wait=True)
+    # themselves; atexit runs while they still can, and waits for their jobs. (A
+    # worker's jobs may end by handing their last write to a completer: completer.py
+    # waits for these threads too, then for its own writes.)
+    wait_for_run_threads()
