@@ -312,6 +312,29 @@ def registry(*steps: workflow.Step[Inp], name: str = "W") -> tuple[workflow.Regi
     return reg, wf
 
 
+def start_each_in_its_own_transaction(
+    db: psycopg.Connection[Any], wf: Any, mgr: workflow.Manager, count: int
+) -> list[workflow.Run]:
+    """`count` runs of `wf` (inputs `Inp(0)`...) started with `start_tx`, one transaction
+    each (so their `created_at` differ): left for a poller."""
+    runs = []
+    for n in range(count):
+        with db.transaction():
+            runs.append(wf.start_tx(db, mgr, Inp(n)))
+    return runs
+
+
+def all_succeed(db: psycopg.Connection[Any], runs: list[workflow.Run]) -> None:
+    """Poll the database until every run succeeded (`run.wait()` would claim runs itself)."""
+    poll(
+        db,
+        "SELECT count(*) = %s FROM workflow_runs WHERE id = ANY(%s) AND status = 'succeeded'",
+        (len(runs), [run.id for run in runs]),
+        timeout=30,
+        what="every run to succeed",
+    )
+
+
 class FirstAttempt:
     """A handler recording each attempt's TaskRun: attempt 1 calls `first`, later ones
     return `Out("attempt N")`; `started` is set when attempt 1 begins."""

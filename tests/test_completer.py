@@ -21,7 +21,16 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, Records, insert_claimed_run, poll, registry, wait_until
+from helpers import (
+    Inp,
+    Out,
+    Records,
+    all_succeed,
+    insert_claimed_run,
+    registry,
+    start_each_in_its_own_transaction,
+    wait_until,
+)
 
 import workflow
 from workflow import Status
@@ -35,6 +44,7 @@ from workflow.events import (
     RunFinished,
 )
 from workflow.executor import Executor
+from workflow.runnable import Runnable
 from workflow.store import ClaimedRun, Store
 
 A = workflow.Task("a", Out)
@@ -57,13 +67,17 @@ class Seen:
             return [(e, thread) for e, thread in self.events if isinstance(e, kind)]
 
 
-def start_waiting(db: psycopg.Connection[Any], wf: Any, mgr: workflow.Manager,
-                  count: int) -> list[workflow.Run]:
-    runs = []
-    for n in range(count):
-        with db.transaction():
-            runs.append(wf.start_tx(db, mgr, Inp(n)))
-    return runs
+def drain(db: psycopg.Connection[Any], mgr: workflow.Manager, runs: list[workflow.Run],
+          **config: Any) -> Runnable:
+    """Run a worker (`RunnerConfig(**config)`, no LISTEN) until every one of `runs` has
+    succeeded, then stop it (it must drain); the runnable."""
+    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, **config))
+    runnable.start()
+    try:
+        all_succeed(db, runs)
+    finally:
+        assert runnable.stop(timeout=10)
+    return runnable
 
 
 def status_of(db: psycopg.Connection[Any], run_id: uuid.UUID) -> tuple[Any, ...]:
@@ -97,7 +111,7 @@ def test_a_workers_thread_goes_on_before_its_runs_finish_has_committed(
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    start_waiting(db, wf, mgr, 1)
+    start_each_in_its_own_transaction(db, wf, mgr, 1)
     executor, completer = mgr._executor, completer_of(mgr)
     (run,) = mgr._store.claim_runs(["W"], 1)
     with psycopg.connect(db_url) as blocker:
@@ -136,7 +150,7 @@ def test_finishes_handed_over_together_share_one_statement_and_each_learns_its_f
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    start_waiting(db, wf, mgr, 4)
+    start_each_in_its_own_transaction(db, wf, mgr, 4)
     executor, completer = mgr._executor, completer_of(mgr)
     first, *others = mgr._store.claim_runs(["W"], 4)
     thief = uuid.uuid4()
@@ -173,7 +187,7 @@ def test_a_finish_the_database_refuses_counts_a_failed_attempt(
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    (started,) = start_waiting(db, wf, mgr, 1)
+    (started,) = start_each_in_its_own_transaction(db, wf, mgr, 1)
     db.execute(
         "CREATE FUNCTION refuse_output() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
         "RAISE EXCEPTION 'refused by the test'; END $$"
@@ -209,7 +223,7 @@ def test_a_full_completer_makes_the_next_thread_wait(
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    start_waiting(db, wf, mgr, 4)
+    start_each_in_its_own_transaction(db, wf, mgr, 4)
     executor, completer = mgr._executor, completer_of(mgr, limit=2)
     first, *others = mgr._store.claim_runs(["W"], 4)
     with psycopg.connect(db_url) as blocker:
@@ -242,7 +256,7 @@ def test_a_finish_handed_to_a_stopped_completer_is_written_on_its_own_thread(
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    start_waiting(db, wf, mgr, 1)
+    start_each_in_its_own_transaction(db, wf, mgr, 1)
     executor, completer = mgr._executor, completer_of(mgr)
     completer.stop(10)
     (run,) = mgr._store.claim_runs(["W"], 1)
@@ -260,7 +274,7 @@ def test_a_batch_claims_runs_in_the_places_its_finishes_left_and_delivers_them(
     reserved; places it could not fill are given back through `deliver`."""
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
-    runs = start_waiting(db, wf, mgr, 3)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 3)
     asked: list[int] = []
     delivered: list[tuple[list[ClaimedRun], int]] = []
 
@@ -275,7 +289,7 @@ def test_a_batch_claims_runs_in_the_places_its_finishes_left_and_delivers_them(
 
     class Finish:
         def __init__(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
-            self.params = Store.step_params(run_id, claim_id, 1, None, 2, True)
+            self.params = Store.step_params(run_id, claim_id, 1, None, 2)
             self.answer: bool | Exception | None = None
 
         def resolve(self, answer: bool | Exception) -> None:
@@ -309,7 +323,7 @@ def test_the_drain_waits_for_the_finishes_handed_over(
     reg, wf = registry(workflow.handle(A, handler))
     mgr = make_manager(reg)
     seen = Seen(mgr)
-    (run,) = start_waiting(db, wf, mgr, 1)
+    (run,) = start_each_in_its_own_transaction(db, wf, mgr, 1)
     runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1, listen=False))
     runnable.start()
     assert entered.wait(10)
@@ -338,7 +352,7 @@ def test_a_subscriber_raising_on_the_completers_thread_stops_nothing(
     longer heartbeated) and the completer goes on writing the other runs' finishes."""
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg, logger=logs[0])
-    runs = start_waiting(db, wf, mgr, 6)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 6)
     doomed = str(runs[0].id)
 
     def exit_on(event: Any) -> None:
@@ -346,15 +360,7 @@ def test_a_subscriber_raising_on_the_completers_thread_stops_nothing(
             raise SystemExit(3)
 
     mgr.events.subscribe(exit_on)
-    runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=0.1, concurrency=2, batch_size=2, listen=False)
-    )
-    runnable.start()
-    try:
-        poll(db, "SELECT count(*) = 6 FROM workflow_runs WHERE status = 'succeeded'",
-             timeout=30, what="every run to succeed")
-    finally:
-        assert runnable.stop(timeout=10)
+    runnable = drain(db, mgr, runs, poll_interval=0.1, concurrency=2, batch_size=2)
     raised = logs[1].wait_for("ending an execution whose finish was written raised")
     assert raised.threadName == "workflow-completer"
     assert mgr._executor._in_flight == 0
@@ -376,22 +382,14 @@ def test_a_subscriber_raising_as_a_finish_is_handed_over_loses_no_success(
 
     reg, wf = registry(workflow.handle(A, handler))
     mgr = make_manager(reg)
-    (run,) = start_waiting(db, wf, mgr, 1)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 1)
 
     def exit_on(event: Any) -> None:
         if isinstance(event, FinishHandedOver):
             raise SystemExit(3)
 
     mgr.events.subscribe(exit_on)
-    runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=0.1, concurrency=1, listen=False)
-    )
-    runnable.start()
-    try:
-        poll(db, "SELECT status = 'succeeded' FROM workflow_runs WHERE id = %s", (run.id,),
-             timeout=20, what="the run to succeed")
-    finally:
-        assert runnable.stop(timeout=10)
+    runnable = drain(db, mgr, runs, poll_interval=0.1, concurrency=1)
     assert calls == [1]
     assert mgr._executor._in_flight == 0 and not mgr._executor.heartbeat.claims()
     assert runnable._poller._running == 0
@@ -415,17 +413,9 @@ def test_a_thread_slow_to_come_back_from_a_hand_over_leaves_no_place_idle(
     monkeypatch.setattr(Executor, "execute", slow_to_come_back)
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
-    start_waiting(db, wf, mgr, 4)
-    runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=5, concurrency=1, listen=False)
-    )
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 4)
     began = time.monotonic()
-    runnable.start()
-    try:
-        poll(db, "SELECT count(*) = 4 FROM workflow_runs WHERE status = 'succeeded'",
-             timeout=30, what="every run to succeed")
-    finally:
-        assert runnable.stop(timeout=10)
+    runnable = drain(db, mgr, runs, poll_interval=5, concurrency=1)
     assert time.monotonic() - began < 4, "a place stayed idle for a poll interval"
     assert runnable._poller._running == 0
 
@@ -438,7 +428,7 @@ def test_a_failure_to_hand_over_what_a_batch_claimed_stops_nothing(
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg, logger=logs[0])
     seen = Seen(mgr)
-    start_waiting(db, wf, mgr, 2)
+    start_each_in_its_own_transaction(db, wf, mgr, 2)
     failures = [RuntimeError("no thread")]
 
     def deliver(runs: list[ClaimedRun], reserved: int) -> None:

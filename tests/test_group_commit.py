@@ -72,7 +72,7 @@ class Finishes:
     def __init__(self, steps: list[tuple[uuid.UUID, uuid.UUID]], claim: int,
                  outputs: dict[int, str] | None = None) -> None:
         self.params = [
-            Store.step_params(run_id, claim_id, 1, (outputs or {}).get(i, OUTPUT), 4, True)
+            Store.step_params(run_id, claim_id, 1, (outputs or {}).get(i, OUTPUT), 4)
             for i, (run_id, claim_id) in enumerate(steps)
         ]
         self.claim = claim

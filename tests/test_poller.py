@@ -13,33 +13,12 @@ import time
 from typing import Any
 
 import psycopg
-from helpers import Inp, Out, poll, registry
+from helpers import Inp, Out, all_succeed, poll, registry, start_each_in_its_own_transaction
 
 import workflow
 from workflow import Status
 
 A = workflow.Task("a", Out)
-
-
-def start_each_in_its_own_transaction(
-    db: psycopg.Connection[Any], wf: Any, mgr: workflow.Manager, count: int
-) -> list[workflow.Run]:
-    runs = []
-    for n in range(count):
-        with db.transaction():  # one transaction each: distinct created_at
-            runs.append(wf.start_tx(db, mgr, Inp(n)))
-    return runs
-
-
-def all_succeed(db: psycopg.Connection[Any], runs: list[workflow.Run]) -> None:
-    """Poll the database until every run succeeded (`run.wait()` would claim runs itself)."""
-    poll(
-        db,
-        "SELECT count(*) = %s FROM workflow_runs WHERE id = ANY(%s) AND status = 'succeeded'",
-        (len(runs), [run.id for run in runs]),
-        timeout=30,
-        what="every run to succeed",
-    )
 
 
 def test_the_poller_claims_oldest_first(make_manager: Any, db: psycopg.Connection[Any]) -> None:

@@ -74,8 +74,8 @@ class Completer:
     on the handing thread before the finish can be taken, so a batch's claim sees
     it); `reserve(n)` takes up to `n` free places of the poller's `concurrency` (maybe
     none: it stops, or leaves this batch's places to its own loop) for the claim that
-    rides with a batch; `deliver(runs, reserved)`
-    hands the runs claimed to the poller's threads and frees the places left unused.
+    rides with a batch; `deliver(runs, reserved)` hands the runs claimed to the
+    poller's threads and frees the places left unused.
     """
 
     name = "workflow-completer"
@@ -112,22 +112,6 @@ class Completer:
     def pending(self) -> int:
         """How many finishes wait for the next statement."""
         return len(self._pending)
-
-    @property
-    def writing(self) -> int:
-        """How many finishes are in the statement being written."""
-        return self._writing
-
-    @property
-    def alive(self) -> bool:
-        """Whether the completer's thread still runs."""
-        thread = self._thread
-        return thread is not None and thread.is_alive()
-
-    @property
-    def log(self) -> EngineLog:
-        """Where the completer logs."""
-        return self._log
 
     def start(self) -> None:
         """Start the thread, once; does nothing after `stop()`."""
@@ -242,8 +226,8 @@ def _finish_at_exit() -> None:
     deadline = time.monotonic() + EXIT_PATIENCE
     for completer in list(_live):
         completer.stop(max(0.0, deadline - time.monotonic()))
-        if completer.alive:
-            completer.log.warning(
+        if completer._thread is not None:  # still writing
+            completer._log.warning(
                 "exit: %d finishes not written after %gs; a sweeper will release their runs",
-                completer.pending + completer.writing, EXIT_PATIENCE,
+                completer.pending + completer._writing, EXIT_PATIENCE,
             )

@@ -198,9 +198,7 @@ class Executor:
                         )
                     )
                 execution.run()
-            except _HandedOver:
-                pass
-            except _Stop:
+            except (_HandedOver, _Stop):
                 pass
             except Exception as e:
                 execution.engine_failed(e)
@@ -271,6 +269,9 @@ class _Ran(NamedTuple):
 
 
 class _Execution:
+    params: dict[str, Any]
+    """The last write's parameters, set when it is handed to the completer."""
+
     def __init__(
         self, executor: Executor, run: ClaimedRun, claim: Claim, input: Any, claimed_at: float
     ) -> None:
@@ -288,7 +289,6 @@ class _Execution:
         self.unrecorded: _Ran | None = None
         self.wake_key = True  # a keyed run's finish or park wakes the pollers
         self.completer: Completer | None = None  # a worker's, to hand the last write to
-        self.params: dict[str, Any] = {}  # that write's parameters, when handed over
         self.handed = False  # whether it was: the completer ends the execution then
         self.handed_at = 0.0  # when (monotonic): the attempt's end, for its duration
         self._log: EngineLog | None = None
@@ -487,7 +487,7 @@ class _Execution:
             self.claim.leave()
         if finishes and self.completer is not None and not executor.draining.is_set():
             self.params = executor.store.step_params(
-                self.run_row.id, self.run_row.claim_id, seq, document, next_seq, True
+                self.run_row.id, self.run_row.claim_id, seq, document, next_seq
             )
             self.handed_at = time.monotonic()
             try:

@@ -137,8 +137,7 @@ class Poller(Service):
     def _handed_over(self) -> None:
         """The calling thread's run handed its finish to the completer: its place is free
         now, before the completer can take the finish (so its claim sees the place)."""
-        with self._lock:
-            self._running -= 1
+        self._free(1)
         self._handed.flag = True
 
     def _reserve_for_batch(self, wanted: int) -> int:
@@ -159,9 +158,7 @@ class Poller(Service):
         for run in runs:
             self._hand_over(run)
         unused = reserved - len(runs)
-        if unused > 0:
-            with self._lock:
-                self._running -= unused
+        self._free(unused)
         if unused > 0 or not reserved:
             self._wake.set()
 
@@ -193,7 +190,8 @@ class Poller(Service):
                 self._sleep(nap)
 
     def _free(self, places: int) -> None:
-        """Give back `places` reserved for a claim that did not fill them."""
+        """Give back `places` of `concurrency`: reserved for a claim that did not fill
+        them, or held by runs that no longer count."""
         if places > 0:
             with self._lock:
                 self._running -= places
@@ -270,8 +268,7 @@ class Poller(Service):
             self._threads.submit(self._execute, run)
         except Exception:  # shut down (stop() gave up joining us), or no thread to start
             executor.dismiss()
-            with self._lock:
-                self._running -= 1
+            self._free(1)
             try:
                 executor.store.release_claim(run.id, run.claim_id)
             except Exception:
@@ -293,15 +290,15 @@ class Poller(Service):
                 )
                 following = None if handed else self._next_of_key(following)
         finally:
+            # It may have left its run for a later retry (a handed-over finish too: it
+            # may yet fail).
+            self._due_changed_here = True
             if getattr(self._handed, "flag", False):
                 # Its place was freed as it was handed over (even if an interrupt came
                 # after): the completer's claim fills it, or wakes this loop.
                 self._handed.flag = False
-                self._due_changed_here = True  # its finish may yet fail, for a retry
             else:
-                with self._lock:
-                    self._running -= 1
-                self._due_changed_here = True  # it may have left its run for a later retry
+                self._free(1)
                 self._wake.set()  # room to claim again
 
     def _claim_heads(self, room: int) -> list[ClaimedRun]:

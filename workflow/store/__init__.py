@@ -578,15 +578,11 @@ class Store:
 
     @staticmethod
     def step_params(
-        run_id: uuid.UUID,
-        claim_id: uuid.UUID,
-        seq: int,
-        output: str | None,
-        next_seq: int,
-        finishes: bool,
+        run_id: uuid.UUID, claim_id: uuid.UUID, seq: int, output: str | None, next_seq: int
     ) -> dict[str, Any]:
-        """The parameters of one `complete_task` of an unkeyed run, for `finish_runs`."""
-        return _step(run_id, claim_id, seq, output, next_seq, finishes, True)
+        """The parameters of the finishing `complete_task` of an unkeyed run, for
+        `finish_runs`."""
+        return _step(run_id, claim_id, seq, output, next_seq, True, True)
 
     def finish_runs(
         self, steps: Sequence[dict[str, Any]], workflows: Sequence[str], claim: int
@@ -601,20 +597,17 @@ class Store:
         step is written again alone, first looking for what the failed try did (as
         `GroupCommit` does for the steps of threads); those steps claim nothing."""
         new_claims = [uuid.uuid4() for _ in range(claim)]
-        params = step_arrays(steps, workflows, new_claims)
         try:
-            if new_claims:
+            if not new_claims:  # outlasts a lost connection itself
+                return list[bool | Exception](self._complete_together(list(steps))), []
+            params = step_arrays(steps, workflows, new_claims)
+            try:
                 rows = self.connections.once("complete_tasks_claiming", params)
-                matched = {(row[1], row[3]) for row in rows if row[0]}
-                runs = claimed_runs([row[1:] for row in rows if not row[0]])
-            else:
-                rows = self.connections.once("complete_tasks", params)
-                matched = {(row[0], row[1]) for row in rows}
-                runs = []
-        except Exception as e:
-            self._outlast(params["fence"], e)
-            if new_claims:
+            except Exception as e:
+                self._outlast(params["fence"], e)
                 self.let_go(new_claims)
+                raise
+        except Exception as e:
             self._log.warning(
                 "a combined write of %d finishing steps failed (%s); making them one by one",
                 len(steps), e,
@@ -626,6 +619,8 @@ class Store:
                 except Exception as alone:
                     answers.append(alone)
             return answers, []
+        matched = {(row[1], row[3]) for row in rows if row[0]}
+        runs = claimed_runs([row[1:] for row in rows if not row[0]])
         return [(step["id"], step["claim_id"]) in matched for step in steps], runs
 
     def _complete_alone(self, params: dict[str, Any], may_have_landed: bool) -> bool:
