@@ -148,6 +148,15 @@ class Completer:
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
+    def stop_at_exit(self, deadline: float) -> None:
+        """`stop()` until `deadline` (monotonic); then log what is left for a sweeper."""
+        self.stop(max(0.0, deadline - time.monotonic()))
+        if self._thread is not None:  # still writing
+            self._log.warning(
+                "exit: %d finishes not written after %gs; a sweeper will release their runs",
+                len(self._pending) + self._writing, EXIT_PATIENCE,
+            )
+
     def _running(self) -> bool:
         """Whether the thread takes finishes (the lock held)."""
         return self._thread is not None and not (self._stopping and not self._pending)
@@ -225,9 +234,4 @@ def _finish_at_exit() -> None:
     wait_for_run_threads()
     deadline = time.monotonic() + EXIT_PATIENCE
     for completer in list(_live):
-        completer.stop(max(0.0, deadline - time.monotonic()))
-        if completer._thread is not None:  # still writing
-            completer._log.warning(
-                "exit: %d finishes not written after %gs; a sweeper will release their runs",
-                completer.pending + completer._writing, EXIT_PATIENCE,
-            )
+        completer.stop_at_exit(deadline)
