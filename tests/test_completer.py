@@ -93,6 +93,20 @@ def lock_row(blocker: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
     blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
 
 
+def refuse_outputs(db: psycopg.Connection[Any], when: str, after: float = 0.0) -> None:
+    """A trigger that makes the database refuse (after `after` seconds) every write of a
+    task's output for which `when` holds."""
+    db.execute(
+        "CREATE FUNCTION refuse_output() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        f"PERFORM pg_sleep({after}); RAISE EXCEPTION 'refused by the test'; END $$"
+    )
+    db.execute(
+        "CREATE TRIGGER refuse_output BEFORE UPDATE ON workflow_tasks FOR EACH ROW "
+        f"WHEN (NEW.output IS DISTINCT FROM OLD.output AND {when}) "
+        "EXECUTE FUNCTION refuse_output()"
+    )
+
+
 def completer_of(mgr: workflow.Manager, limit: int = 4) -> Completer:
     """A completer over `mgr`'s store that claims nothing (no poller behind it)."""
     completer = Completer(mgr._store, mgr._executor.log, ["W"], limit, lambda: None,
@@ -188,15 +202,7 @@ def test_a_finish_the_database_refuses_counts_a_failed_attempt(
     mgr = make_manager(reg)
     seen = Seen(mgr)
     (started,) = start_each_in_its_own_transaction(db, wf, mgr, 1)
-    db.execute(
-        "CREATE FUNCTION refuse_output() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
-        "RAISE EXCEPTION 'refused by the test'; END $$"
-    )
-    db.execute(
-        "CREATE TRIGGER refuse_output BEFORE UPDATE ON workflow_tasks FOR EACH ROW "
-        f"WHEN (NEW.output IS DISTINCT FROM OLD.output AND NEW.run_id = '{started.id}') "
-        "EXECUTE FUNCTION refuse_output()"
-    )
+    refuse_outputs(db, f"NEW.run_id = '{started.id}'")
     executor, completer = mgr._executor, completer_of(mgr)
     (run,) = mgr._store.claim_runs(["W"], 1)
     executor.admit()
@@ -446,3 +452,37 @@ def test_a_failure_to_hand_over_what_a_batch_claimed_stops_nothing(
     assert len(seen.of(ExecutionEnded)) == 2 and executor._in_flight == 0
     logs[1].wait_for("handing over the runs a batch claimed failed")
     completer.stop(10)
+
+
+def test_a_finish_refused_after_its_thread_came_back_is_retried_when_due(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """A handed-over finish that the database refuses releases its run for a retry, on the
+    completer's thread, after the run's thread has come back and the poller has read
+    the next due time again (the finish's statement is slow here, and so is the write
+    of the failure): the poller must read it once more, so the retry runs when due
+    (0.1 s), not a poll interval (30 s) later. The failed attempt's duration ends at
+    the hand-over, as a successful one's does."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x"), backoff_schedule=[0.1]))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    (started,) = start_each_in_its_own_transaction(db, wf, mgr, 1)
+    # The first attempt's output only: its failure sets attempts to 1.
+    refuse_outputs(db, "OLD.attempts = 0", after=0.6)
+    db.execute(
+        "CREATE FUNCTION slow_failure() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN "
+        "PERFORM pg_sleep(0.5); RETURN NEW; END $$"
+    )
+    db.execute(
+        "CREATE TRIGGER slow_failure BEFORE UPDATE ON workflow_tasks FOR EACH ROW "
+        "WHEN (NEW.attempts > OLD.attempts) EXECUTE FUNCTION slow_failure()"
+    )
+    began = time.monotonic()
+    drain(db, mgr, [started], poll_interval=30)
+    assert time.monotonic() - began < 10, "the retry waited out the poll interval"
+    assert status_of(db, started.id) == ("succeeded", False, 1)
+    # Each attempt lasted until its finish was handed over, the refused one too: the
+    # statement's wait is the completer's, not the attempt's.
+    ended = [e for e, _ in seen.of(AttemptEnded)]
+    assert [e.outcome for e in ended] == [Outcome.FAILED, Outcome.SUCCEEDED]
+    assert all(e.seconds < 0.5 for e in ended), [e.seconds for e in ended]

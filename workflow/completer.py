@@ -75,7 +75,9 @@ class Completer:
     it); `reserve(n)` takes up to `n` free places of the poller's `concurrency` (maybe
     none: it stops, or leaves this batch's places to its own loop) for the claim that
     rides with a batch; `deliver(runs, reserved)` hands the runs claimed to the
-    poller's threads and frees the places left unused.
+    poller's threads and frees the places left unused; `unsettled()` follows a batch in
+    which a finish did not succeed (its run may be waiting for a retry now, released
+    after its thread had come back).
     """
 
     name = "workflow-completer"
@@ -89,6 +91,7 @@ class Completer:
         release: Callable[[], None],
         reserve: Callable[[int], int],
         deliver: Callable[[list[ClaimedRun], int], None],
+        unsettled: Callable[[], None] = lambda: None,
     ) -> None:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, not {limit}")
@@ -99,6 +102,7 @@ class Completer:
         self._release = release
         self._reserve = reserve
         self._deliver = deliver
+        self._unsettled = unsettled
         self._pending: list[Finish] = []
         self._writing = 0  # finishes in the statement being written
         self._cond = threading.Condition(threading.Lock())
@@ -211,6 +215,11 @@ class Completer:
                 finish.resolve(answer)
             except BaseException:  # a subscriber's SystemExit, say: the others still end
                 self._log.exception("ending an execution whose finish was written raised")
+        if any(answer is not True for answer in answers):
+            try:
+                self._unsettled()
+            except Exception:
+                self._log.exception("telling the poller of a finish that failed raised")
 
 
 _live: weakref.WeakSet[Completer] = weakref.WeakSet()

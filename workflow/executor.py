@@ -531,7 +531,7 @@ class _Execution:
                 ran = self.unrecorded
                 self.unrecorded = None
                 if ran is not None and self.executor.events.active:
-                    self.attempt_ended(ran, Outcome.SUCCEEDED, None, ended=self.handed_at)
+                    self.attempt_ended(ran, Outcome.SUCCEEDED, None)
                 self.finished(Status.SUCCEEDED)
             except _Stop:
                 pass
@@ -587,16 +587,16 @@ class _Execution:
 
     # What happened, for subscribers.
 
-    def attempt_ended(
-        self, ran: _Ran, outcome: Outcome, error: BaseException | None, *, ended: float = 0.0
-    ) -> None:
-        """Announce how an attempt ended (callers check `events.active` first: it is hot);
-        `ended`: when (monotonic), if not now (a finish handed to the completer: its
-        duration leaves out the wait for the completer's statement)."""
+    def attempt_ended(self, ran: _Ran, outcome: Outcome, error: BaseException | None) -> None:
+        """Announce how an attempt ended (callers check `events.active` first: it is hot).
+        An attempt whose finish was handed to the completer ended at the hand-over,
+        whatever the completer's write does: its duration leaves out the wait for the
+        completer's statement."""
         self.executor.events.emit(
             AttemptEnded(
                 self.run_row.id, self.run_row.workflow, ran.row.name, ran.seq,
-                ran.row.attempts + 1, outcome, (ended or time.monotonic()) - ran.began, error,
+                ran.row.attempts + 1, outcome, (self.handed_at or time.monotonic()) - ran.began,
+                error,
                 claim_lost=self.claim.reason == LOST,
             )
         )

@@ -86,7 +86,7 @@ class Poller(Service):
         self._batch_turn = False  # with keyed workflows: whether the loop claims this time
         self.completer = Completer(
             executor.store, executor.log, self._workflows, settings.concurrency,
-            self._handed_over, self._reserve_for_batch, self._deliver,
+            self._handed_over, self._reserve_for_batch, self._deliver, self._unsettled,
         )
         """Writes the finishes of this poller's runs; `Runnable.stop` stops it after the
         drain."""
@@ -161,6 +161,13 @@ class Poller(Service):
         self._free(unused)
         if unused > 0 or not reserved:
             self._wake.set()
+
+    def _unsettled(self) -> None:
+        """A batch's finish failed (or its claim was lost) after its thread came back, which
+        marked the due time stale already, and this loop may have read it since: a run
+        released for its retry makes it stale again."""
+        self._due_stale = True
+        self._wake.set()
 
     def _loop(self) -> None:
         executor = self._executor
@@ -290,14 +297,13 @@ class Poller(Service):
                 )
                 following = None if handed else self._next_of_key(following)
         finally:
-            # It may have left its run for a later retry (a handed-over finish too: it
-            # may yet fail).
-            self._due_changed_here = True
             if getattr(self._handed, "flag", False):
                 # Its place was freed as it was handed over (even if an interrupt came
-                # after): the completer's claim fills it, or wakes this loop.
+                # after): the completer's claim fills it, or wakes this loop; a finish
+                # that fails tells this loop itself (`_unsettled`).
                 self._handed.flag = False
             else:
+                self._due_changed_here = True  # it may have left its run for a later retry
                 self._free(1)
                 self._wake.set()  # room to claim again
 
