@@ -61,7 +61,7 @@ either way since 8a54b7b; before, only on a table without statistics).
 Each round runs every C, and for each C the systems in a rotating order.
 Medians over rounds; the ratios pgworkflow/peer are per round, then medianed.
 
-    PYTHONPATH=. python bench/backlog.py [--n 3000] [--consumers 1,4,8] [--rounds 2]
+    PYTHONPATH=. python bench/backlog.py [--n 10000] [--consumers 1,4,8] [--rounds 2]
         [--systems pgworkflow,pgqueuer,procrastinate] [--start warm|cold|frozen] [--analyze]
 
 The peers' virtualenvs are bench/.venvs/pgqueuer and bench/.venvs/procrastinate,
@@ -617,7 +617,7 @@ def _drain(system: System, admin: Any, counters: Counters,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--n", type=int, default=3000, help="jobs in the backlog (3000)")
+    p.add_argument("--n", type=int, default=10000, help="jobs in the backlog (10000)")
     p.add_argument("--consumers", type=lambda s: [int(x) for x in s.split(",")],
                    default=[1, 4, 8], help="consumer processes, a list (1,4,8)")
     p.add_argument("--rounds", type=int, default=2)

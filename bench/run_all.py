@@ -286,7 +286,9 @@ def main() -> None:
         paired_extra = [(3, 4)]  # the target says "from 4+ threads": 4 as well as 8
         p_runs = {1: 600, 3: 300}
         typed = {"threads": [1, 4, 8], "rounds": 5, "slice_s": 2.0}
-        backlog = {"n": 3000, "consumers": [1, 4, 8], "rounds": 2}
+        # 10,000 jobs: a drain of 3,000 by eight workers lasts about half a second,
+        # mostly the workers' start (bench/README.md, the 2026-12-04 full runs).
+        backlog = {"n": 10000, "consumers": [1, 4, 8], "rounds": 2}
     meta["settings"] = {
         "rounds": rounds,
         "paired_slices": slices,
