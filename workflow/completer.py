@@ -76,8 +76,8 @@ class Completer:
     none: it stops, or leaves this batch's places to its own loop) for the claim that
     rides with a batch; `deliver(runs, reserved)` hands the runs claimed to the
     poller's threads and frees the places left unused; `unsettled()` follows a batch in
-    which a finish did not succeed (its run may be waiting for a retry now, released
-    after its thread had come back).
+    which a finish could not be written (its run, released for a retry, may fall due
+    before the poller would otherwise read its next due time again).
     """
 
     name = "workflow-completer"
@@ -215,11 +215,11 @@ class Completer:
                 finish.resolve(answer)
             except BaseException:  # a subscriber's SystemExit, say: the others still end
                 self._log.exception("ending an execution whose finish was written raised")
-        if any(answer is not True for answer in answers):
+        if any(isinstance(answer, Exception) for answer in answers):  # a lost claim frees none
             try:
                 self._unsettled()
             except Exception:
-                self._log.exception("telling the poller of a finish that failed raised")
+                self._log.exception("telling the poller of a finish not written raised")
 
 
 _live: weakref.WeakSet[Completer] = weakref.WeakSet()

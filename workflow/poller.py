@@ -163,9 +163,9 @@ class Poller(Service):
             self._wake.set()
 
     def _unsettled(self) -> None:
-        """A batch's finish failed (or its claim was lost) after its thread came back, which
-        marked the due time stale already, and this loop may have read it since: a run
-        released for its retry makes it stale again."""
+        """A finish handed to the completer could not be written: its run, released for a
+        retry, makes the next due time stale. (A handed-over run's thread does not mark
+        it as it comes back: only the completer knows how its finish went.)"""
         self._due_stale = True
         self._wake.set()
 
