@@ -86,7 +86,10 @@ class Poller(Service):
         self._batch_turn = False  # with keyed workflows: whether the loop claims this time
         self.completer = Completer(
             executor.store, executor.log, self._workflows, settings.concurrency,
-            self._handed_over, self._reserve_for_batch, self._deliver, self._unsettled,
+            # A finish it could not write leaves its run for a retry: `wake` reads the
+            # due time again (a handed-over run's thread does not mark it as it comes
+            # back: only the completer knows how its finish went).
+            self._handed_over, self._reserve_for_batch, self._deliver, self.wake,
         )
         """Writes the finishes of this poller's runs; `Runnable.stop` stops it after the
         drain."""
@@ -161,13 +164,6 @@ class Poller(Service):
         self._free(unused)
         if unused > 0 or not reserved:
             self._wake.set()
-
-    def _unsettled(self) -> None:
-        """A finish handed to the completer could not be written: its run, released for a
-        retry, makes the next due time stale. (A handed-over run's thread does not mark
-        it as it comes back: only the completer knows how its finish went.)"""
-        self._due_stale = True
-        self._wake.set()
 
     def _loop(self) -> None:
         executor = self._executor
@@ -300,7 +296,7 @@ class Poller(Service):
             if getattr(self._handed, "flag", False):
                 # Its place was freed as it was handed over (even if an interrupt came
                 # after): the completer's claim fills it, or wakes this loop; a finish
-                # that fails tells this loop itself (`_unsettled`).
+                # it cannot write wakes this loop too (`wake`).
                 self._handed.flag = False
             else:
                 self._due_changed_here = True  # it may have left its run for a later retry
