@@ -4,7 +4,8 @@ Metrics, traces and the run history are built on these, so each of the engine's
 paths must announce what happened once, in order, on the thread where it
 happened: a run that succeeds, one that fails once then succeeds, one that
 parks, one whose claim is lost, one swept. A subscriber that raises is logged
-and changes nothing.
+and changes nothing; one that raises an interrupt has it raised once the others
+have had the event.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import Inp, Out, Records, registry, wait_until
 
 import workflow
@@ -24,9 +26,11 @@ from workflow.events import (
     AttemptEnded,
     ClaimLost,
     ClaimsSwept,
+    Events,
     Outcome,
     RunFinished,
 )
+from workflow.logs import EngineLog
 
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
@@ -204,6 +208,34 @@ def test_a_subscriber_that_raises_is_logged_and_changes_nothing(
 
     mgr.events.subscribe(broken)
     assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.SUCCEEDED
+    assert any("an event subscriber raised" in m for m in records.messages())
+
+
+def test_a_subscriber_raising_an_interrupt_leaves_the_others_their_event(
+    logs: tuple[logging.Logger, Records],
+) -> None:
+    """A `SystemExit` (or a Ctrl-C) raised by one subscriber reaches the code that emitted
+    the event, but only once every other subscriber has had it: a subscriber that missed
+    an event would keep a wrong picture from then on (tracing that missed a run's
+    `FinishHandedOver` never ended its spans). A second interrupt is logged."""
+    logger, records = logs
+    events = Events(EngineLog(logger))
+    heard = Heard()
+
+    def exits(event: Any) -> None:
+        raise SystemExit(3)
+
+    def interrupted(event: Any) -> None:
+        raise KeyboardInterrupt
+
+    events.subscribe(exits)
+    events.subscribe(heard)
+    events.subscribe(interrupted)
+    events.subscribe(heard)
+    event = ClaimsSwept(())
+    with pytest.raises(SystemExit):
+        events.emit(event)
+    assert heard.events == [event, event]
     assert any("an event subscriber raised" in m for m in records.messages())
 
 

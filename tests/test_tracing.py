@@ -28,6 +28,8 @@ from worker_apps.harness import ROOT, WorkerProcess
 
 import workflow
 from workflow import Status
+from workflow.events import FinishHandedOver
+from workflow.tracing import Tracing
 
 trace = pytest.importorskip("opentelemetry.trace")
 sdk_trace = pytest.importorskip("opentelemetry.sdk.trace")
@@ -260,6 +262,41 @@ def test_a_workers_runs_end_their_spans_from_the_completers_thread(
     assert {t.parent.span_id for t in tasks} == set(consumers)
     assert sorted(seen) == sorted(t.context.span_id for t in tasks)
     assert all(c.parent is None for c in consumers.values())
+
+
+def test_a_subscriber_raising_on_a_hand_over_ahead_of_tracing_leaves_no_span_open(
+    spans: Kept, make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """A subscriber ahead of tracing that raises `SystemExit` as a worker thread hands a
+    run's finish to the completer: tracing still hears of the hand-over, so the run's
+    spans end from the completer's thread once the finish has committed."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("a")))
+    mgr = make_manager(reg, config=workflow.Config(tracing=False))
+
+    def exits(event: Any) -> None:
+        if isinstance(event, FinishHandedOver):
+            raise SystemExit(3)
+
+    mgr.events.subscribe(exits)
+    traced_here = Tracing(mgr.events)  # subscribed after `exits`
+    try:
+        for n in range(2):
+            with db.transaction():
+                wf.start_tx(db, mgr, Inp(n))
+        runnable = mgr.new_runnable(
+            workflow.RunnerConfig(listen=False, poll_interval=0.1, concurrency=1, batch_size=1)
+        )
+        runnable.start()
+        try:
+            wait_until(lambda: db.execute(
+                "SELECT count(*) = 2 FROM workflow_runs WHERE status = 'succeeded'"
+            ).fetchone()[0], "both runs to succeed")
+        finally:
+            runnable.stop()
+        wait_until(lambda: len(spans.named("workflow.run")) == 2, "both CONSUMER spans", timeout=5)
+        assert len(spans.named("workflow.task")) == 2
+    finally:
+        traced_here.close()
 
 
 def test_tracing_off_makes_no_span_and_stores_no_context(

@@ -241,9 +241,24 @@ class Events:
                 self._log.exception("an event lookout raised")
 
     def emit(self, event: Event) -> None:
-        """Hand `event` to every subscriber; an exception of one is logged, never raised."""
+        """Hand `event` to every subscriber; an exception of one is logged, never raised.
+
+        An interrupt (`SystemExit`, `KeyboardInterrupt`) that a subscriber raises is
+        raised here, but only once every other subscriber has had the event: one that
+        missed it would keep a wrong picture from then on (tracing that misses a run's
+        `FinishHandedOver` never ends its spans). A second interrupt is logged."""
+        interrupt: BaseException | None = None
         for subscriber in self._subscribers:
             try:
                 subscriber(event)
             except Exception:
                 self._log.exception("an event subscriber raised on %s", type(event).__name__)
+            except BaseException as e:
+                if interrupt is None:
+                    interrupt = e
+                else:
+                    self._log.exception(
+                        "an event subscriber raised on %s", type(event).__name__
+                    )
+        if interrupt is not None:
+            raise interrupt
