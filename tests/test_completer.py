@@ -93,6 +93,17 @@ def lock_row(blocker: psycopg.Connection[Any], run_id: uuid.UUID) -> None:
     blocker.execute("SELECT FROM workflow_runs WHERE id = %s FOR UPDATE", (run_id,))
 
 
+def hand_held(
+    blocker: psycopg.Connection[Any], executor: Executor, completer: Completer, run: ClaimedRun
+) -> None:
+    """Execute `run` with `completer`, its row locked by `blocker`: its finish is handed
+    over and held in a statement on its way until `blocker` lets go."""
+    lock_row(blocker, run.id)
+    executor.admit()
+    executor.execute(run, completer=completer)
+    wait_until(lambda: completer.pending == 0, "the finish in a statement")
+
+
 def refuse_outputs(db: psycopg.Connection[Any], when: str, after: float = 0.0) -> None:
     """A trigger that makes the database refuse (after `after` seconds) every write of a
     task's output for which `when` holds."""
@@ -107,10 +118,12 @@ def refuse_outputs(db: psycopg.Connection[Any], when: str, after: float = 0.0) -
     )
 
 
-def completer_of(mgr: workflow.Manager, limit: int = 4) -> Completer:
-    """A completer over `mgr`'s store that claims nothing (no poller behind it)."""
+def completer_of(mgr: workflow.Manager, limit: int = 4, flights: int = 1) -> Completer:
+    """A completer over `mgr`'s store that claims nothing (no poller behind it). One
+    flight unless told: the tests that hold a statement on a row lock see the finishes
+    handed meanwhile wait for the next one (a poller's completer has `FLIGHTS`)."""
     completer = Completer(mgr._store, mgr._executor.log, ["W"], limit, lambda: None,
-                          lambda wanted: 0, lambda runs, reserved: None)
+                          lambda wanted: 0, lambda runs, reserved: None, flights=flights)
     completer.start()
     return completer
 
@@ -220,6 +233,79 @@ def test_a_finish_the_database_refuses_counts_a_failed_attempt(
     completer.stop(10)
 
 
+def test_finishes_handed_while_a_statement_is_held_go_in_a_second_one(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """With two flights, a finish handed over while a statement is on its way goes in a
+    second statement at once, on another thread, and its execution ends while the
+    first is still held; one handed while both are held waits for the next, and every
+    run succeeds once they are let go."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    ended: dict[uuid.UUID, int] = {}  # run id: the ident of the thread its end came on
+
+    def note_end(event: Any) -> None:
+        if isinstance(event, ExecutionEnded):
+            ended[event.run_id] = threading.get_ident()
+
+    mgr.events.subscribe(note_end)
+    start_each_in_its_own_transaction(db, wf, mgr, 4)
+    executor, completer = mgr._executor, completer_of(mgr, flights=2)
+    first, second, third, fourth = mgr._store.claim_runs(["W"], 4)
+    with psycopg.connect(db_url) as blocker:
+        hand_held(blocker, executor, completer, first)
+        executor.admit()
+        executor.execute(second, completer=completer)
+        wait_until(lambda: second.id in ended, "the second execution's end")
+        assert status_of(db, second.id)[0] == "succeeded"
+        assert status_of(db, first.id) == ("running", True, 0)
+        hand_held(blocker, executor, completer, third)
+        executor.admit()
+        executor.execute(fourth, completer=completer)
+        time.sleep(0.2)
+        assert completer.pending == 1, "the fourth waits for a statement to end"
+        assert [status_of(db, run.id)[0] for run in (first, third, fourth)] == ["running"] * 3
+        assert list(ended) == [second.id]
+        blocker.rollback()
+    wait_until(lambda: len(ended) == 4, "every execution's end")
+    assert [status_of(db, run.id)[0] for run in (first, second, third, fourth)] == [
+        "succeeded"
+    ] * 4
+    assert completer.statements == 4
+    assert ended[first.id] != ended[second.id], "two threads wrote the two statements"
+    assert threading.get_ident() not in ended.values()
+    completer.stop(10)
+
+
+def test_a_stop_waits_for_a_statement_held_while_the_other_flight_is_idle(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """`stop()` returns once the statement in flight has committed and its execution
+    ended, not when the idle thread has stopped; with a timeout shorter than the hold it
+    returns at the timeout, and the statement still commits afterwards."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    start_each_in_its_own_transaction(db, wf, mgr, 1)
+    executor, completer = mgr._executor, completer_of(mgr, flights=2)
+    (run,) = mgr._store.claim_runs(["W"], 1)
+    with psycopg.connect(db_url) as blocker:
+        hand_held(blocker, executor, completer, run)
+        began = time.monotonic()
+        completer.stop(0.3)
+        assert time.monotonic() - began >= 0.3
+        assert not seen.of(ExecutionEnded)
+        stopper = threading.Thread(target=completer.stop)
+        stopper.start()
+        time.sleep(0.2)
+        assert stopper.is_alive(), "stop() waits for the statement held"
+        blocker.rollback()
+    stopper.join(timeout=10)
+    assert not stopper.is_alive()
+    assert len(seen.of(ExecutionEnded)) == 1
+    assert status_of(db, run.id) == ("succeeded", False, 0)
+
+
 def test_a_full_completer_makes_the_next_thread_wait(
     make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:
@@ -233,10 +319,7 @@ def test_a_full_completer_makes_the_next_thread_wait(
     executor, completer = mgr._executor, completer_of(mgr, limit=2)
     first, *others = mgr._store.claim_runs(["W"], 4)
     with psycopg.connect(db_url) as blocker:
-        lock_row(blocker, first.id)
-        executor.admit()
-        executor.execute(first, completer=completer)
-        wait_until(lambda: completer.pending == 0, "the first finish in flight")
+        hand_held(blocker, executor, completer, first)
         executor.admit()
         executor.execute(others[0], completer=completer)
         last = threading.Thread(

@@ -7,14 +7,15 @@ event happened, right after it happened (so an attempt's `AttemptBegan` and
 `AttemptEnded` arrive on the handler's own thread, around its call, except for a
 worker's run whose last write its completer makes: after `FinishHandedOver` on
 the handler's thread, the rest of that execution's events come from the
-completer's thread (or, once it has stopped, the handler's), once the write has
-committed); it must be
+completer thread that wrote its finish (or, once the completer has stopped, the
+handler's), once the write has committed); it must be
 quick and must not block, and must treat the event as read-only (the classes are
 not frozen only because a frozen attrs instance costs four times as much to
 build, on the fast path). An exception it raises is logged and dropped: it
-never changes what the engine does. (A `SystemExit` or `KeyboardInterrupt` is not
-caught there: what becomes of it depends on the thread and the event, and a
-subscriber should not raise one.) With no subscriber nothing is built:
+never changes what the engine does. (A `SystemExit` or `KeyboardInterrupt` is
+raised to the code that announced the event, once every other subscriber has had
+it: what becomes of it then depends on the thread and the event, and a subscriber
+should not raise one.) With no subscriber nothing is built:
 announcing costs one attribute check.
 """
 
@@ -127,9 +128,9 @@ class ClaimLost:
 class FinishHandedOver:
     """A worker's run's last task succeeded and its thread is about to hand the finishing
     write to the worker's completer: the handler's thread is done with the execution,
-    and its remaining events (`AttemptEnded` and the rest) follow on the completer's
-    thread (on the handler's, once the completer has stopped) once that write has
-    committed."""
+    and its remaining events (`AttemptEnded` and the rest) follow on the completer
+    thread that writes it (on the handler's, once the completer has stopped) once
+    that write has committed."""
 
     run_id: uuid.UUID
     workflow: str
@@ -139,8 +140,8 @@ class FinishHandedOver:
 class ExecutionEnded:
     """An execution of a run in this process ended, however: finished, parked,
     released for a retry or a shutdown, cancelled, or its claim lost. The last event
-    of an execution, on its thread (after `FinishHandedOver`, the completer's, unless
-    it had stopped)."""
+    of an execution, on its thread (after `FinishHandedOver`, the completer thread
+    that wrote its finish, unless the completer had stopped)."""
 
     run_id: uuid.UUID
     workflow: str

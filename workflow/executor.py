@@ -521,7 +521,7 @@ class _Execution:
     def resolve(self, answer: bool | Exception) -> None:
         """The end of an execution whose last write the completer made: `answer` is whether
         its claim matched, or the error that writing it raised (see `complete`, and
-        execute's handling of what it raises). On the completer's thread."""
+        execute's handling of what it raises). On the completer thread that wrote it."""
         try:
             try:
                 if isinstance(answer, Exception):

@@ -8,9 +8,10 @@ cuts the sleep short.
 A run's last write is not its thread's to wait for: when the last task of an
 unkeyed run succeeds, its thread hands the finish to the poller's completer
 (completer.py) and takes another run, and the run no longer counts against
-`concurrency`. The completer writes every finish handed to it since its last
-statement in one statement and one commit, which also claims a run for each place
-the finished runs left free; those go to this poller's threads. Under load a
+`concurrency`. The completer writes the finishes handed to it in batches, one
+statement and one commit each (a second may be on its way while one is), which
+also claim a run for each place the finished runs left free; those go to this
+poller's threads. Under load a
 worker's run so costs one share of a transaction for its finish and for the claim
 of the run taking its place, and no thread waits for either; when that claim
 finds fewer runs than it had room for, this loop is woken to claim as before. With
@@ -148,9 +149,10 @@ class Poller(Service):
         workflows registered, every other batch leaves its places to this loop (none
         reserved: `_deliver` wakes it), whose rounds give keys' waiting runs their turn."""
         if self._keyed:
-            self._batch_turn = not self._batch_turn
-            if self._batch_turn:
-                return 0
+            with self._lock:  # the completer's threads take turns too
+                self._batch_turn = not self._batch_turn
+                if self._batch_turn:
+                    return 0
         return self._reserve(wanted)
 
     def _deliver(self, runs: list[ClaimedRun], reserved: int) -> None:

@@ -172,7 +172,7 @@ class Tracing:
 
     def _handed_over(self, event: FinishHandedOver) -> None:
         """Detach the run's contexts from the handler's thread, which is done with it; the
-        spans end on the completer's thread."""
+        spans end on the completer thread that writes its finish."""
         execution = self._executions().pop(event.run_id, None)
         if execution is None:
             return
