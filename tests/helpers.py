@@ -21,6 +21,7 @@ import psycopg
 import pytest
 
 import workflow
+from workflow.runnable import Runnable
 
 # --- logs ----------------------------------------------------------------------------
 
@@ -333,6 +334,19 @@ def all_succeed(db: psycopg.Connection[Any], runs: list[workflow.Run]) -> None:
         timeout=30,
         what="every run to succeed",
     )
+
+
+def drain(db: psycopg.Connection[Any], mgr: workflow.Manager, runs: list[workflow.Run],
+          **config: Any) -> Runnable:
+    """Run a worker (`RunnerConfig(**config)`, no LISTEN) until every one of `runs` has
+    succeeded, then stop it (it must drain); the runnable."""
+    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, **config))
+    runnable.start()
+    try:
+        all_succeed(db, runs)
+    finally:
+        assert runnable.stop(timeout=10)
+    return runnable
 
 
 class FirstAttempt:

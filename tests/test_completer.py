@@ -25,7 +25,7 @@ from helpers import (
     Inp,
     Out,
     Records,
-    all_succeed,
+    drain,
     insert_claimed_run,
     registry,
     start_each_in_its_own_transaction,
@@ -44,7 +44,6 @@ from workflow.events import (
     RunFinished,
 )
 from workflow.executor import Executor
-from workflow.runnable import Runnable
 from workflow.store import ClaimedRun, Store
 
 A = workflow.Task("a", Out)
@@ -65,19 +64,6 @@ class Seen:
     def of(self, kind: type) -> list[tuple[Any, str]]:
         with self._lock:
             return [(e, thread) for e, thread in self.events if isinstance(e, kind)]
-
-
-def drain(db: psycopg.Connection[Any], mgr: workflow.Manager, runs: list[workflow.Run],
-          **config: Any) -> Runnable:
-    """Run a worker (`RunnerConfig(**config)`, no LISTEN) until every one of `runs` has
-    succeeded, then stop it (it must drain); the runnable."""
-    runnable = mgr.new_runnable(workflow.RunnerConfig(listen=False, **config))
-    runnable.start()
-    try:
-        all_succeed(db, runs)
-    finally:
-        assert runnable.stop(timeout=10)
-    return runnable
 
 
 def status_of(db: psycopg.Connection[Any], run_id: uuid.UUID) -> tuple[Any, ...]:

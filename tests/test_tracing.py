@@ -22,7 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, registry, wait_until
+from helpers import Inp, Out, drain, registry, start_each_in_its_own_transaction, wait_until
 from worker_apps import traced
 from worker_apps.harness import ROOT, WorkerProcess
 
@@ -280,19 +280,8 @@ def test_a_subscriber_raising_on_a_hand_over_ahead_of_tracing_leaves_no_span_ope
     mgr.events.subscribe(exits)
     traced_here = Tracing(mgr.events)  # subscribed after `exits`
     try:
-        for n in range(2):
-            with db.transaction():
-                wf.start_tx(db, mgr, Inp(n))
-        runnable = mgr.new_runnable(
-            workflow.RunnerConfig(listen=False, poll_interval=0.1, concurrency=1, batch_size=1)
-        )
-        runnable.start()
-        try:
-            wait_until(lambda: db.execute(
-                "SELECT count(*) = 2 FROM workflow_runs WHERE status = 'succeeded'"
-            ).fetchone()[0], "both runs to succeed")
-        finally:
-            runnable.stop()
+        runs = start_each_in_its_own_transaction(db, wf, mgr, 2)
+        drain(db, mgr, runs, poll_interval=0.1, concurrency=1, batch_size=1)
         wait_until(lambda: len(spans.named("workflow.run")) == 2, "both CONSUMER spans", timeout=5)
         assert len(spans.named("workflow.task")) == 2
     finally:

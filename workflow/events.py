@@ -252,14 +252,10 @@ class Events:
         for subscriber in self._subscribers:
             try:
                 subscriber(event)
-            except Exception:
-                self._log.exception("an event subscriber raised on %s", type(event).__name__)
             except BaseException as e:
-                if interrupt is None:
+                if interrupt is None and not isinstance(e, Exception):
                     interrupt = e
                 else:
-                    self._log.exception(
-                        "an event subscriber raised on %s", type(event).__name__
-                    )
+                    self._log.exception("an event subscriber raised on %s", type(event).__name__)
         if interrupt is not None:
             raise interrupt
