@@ -292,6 +292,32 @@ def test_a_stop_waits_for_a_statement_held_while_the_other_flight_is_idle(
     assert status_of(db, run.id) == ("succeeded", False, 0)
 
 
+def test_a_completer_whose_second_thread_cannot_start_stops_the_first(
+    make_manager: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A thread that cannot start (the process is out of threads) fails `start()`, and
+    leaves no thread of it running: the first one ends."""
+    reg, _ = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    completer = Completer(mgr._store, mgr._executor.log, ["W"], 4, lambda: None,
+                          lambda wanted: 0, lambda runs, reserved: None, flights=2)
+    started: list[threading.Thread] = []
+    real_start = threading.Thread.start
+
+    def start_one(thread: threading.Thread) -> None:
+        if started:
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+        started.append(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start_one)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        completer.start()
+    monkeypatch.undo()
+    started[0].join(timeout=10)
+    assert not started[0].is_alive(), "the thread that started has ended"
+
+
 def test_a_full_completer_makes_the_next_thread_wait(
     make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:

@@ -136,13 +136,19 @@ class Completer:
         return len(self._pending)
 
     def start(self) -> None:
-        """Start the threads, once; does nothing after `stop()`."""
+        """Start the threads, once; does nothing after `stop()`. A thread that cannot
+        start raises, and stops those started before it."""
         with self._cond:
             if self._threads or self._stopping:
                 return
             for _ in range(self._flights):
                 thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-                thread.start()
+                try:
+                    thread.start()
+                except BaseException:
+                    self._stopping = True
+                    self._cond.notify_all()
+                    raise
                 self._threads.append(thread)
                 self._alive += 1
 
