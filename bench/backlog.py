@@ -9,7 +9,8 @@ each one OS process started the way that library's users start one:
 
 - pgworkflow: `python -m workflow.worker --app bench.apps:factory --concurrency 16`,
 - PGQueuer: a QueueManager with one no-op `@qm.entrypoint`, every default
-  (`bench/peers/pgqueuer/bench_pgqueuer.py consume`),
+  (`bench/peers/pgqueuer/bench_pgqueuer.py consume`; `--pgq-batch-size` sets its
+  dequeue batch, 10 by default),
 - Procrastinate: `procrastinate worker --concurrency=16` with one no-op async task
   (`bench/peers/procrastinate/backlog_procrastinate.py`).
 
@@ -298,9 +299,10 @@ class WalReader:
 class System:
     """How to install, enqueue into and consume from one system's scratch database."""
 
-    def __init__(self, name: str, concurrency: int) -> None:
+    def __init__(self, name: str, concurrency: int, pgq_batch_size: int = 10) -> None:
         self.name = name
         self.concurrency = concurrency
+        self.pgq_batch_size = pgq_batch_size
         self.py = sys.executable if name == "pgworkflow" else peer_python(PEERS[name])
         self.url = ""
 
@@ -356,7 +358,7 @@ class System:
         if self.name == "pgworkflow":
             return [self.py, "-m", "workflow.worker", *self._worker_args()], REPO
         if self.name == "pgqueuer":
-            return [self.py, PGQ_SCRIPT, "consume"], os.path.dirname(PGQ_SCRIPT)
+            return [self.py, PGQ_SCRIPT, *self._worker_args()], os.path.dirname(PGQ_SCRIPT)
         exe = os.path.join(os.path.dirname(self.py), "procrastinate")
         return [exe, *self._worker_args()], PROC_DIR
 
@@ -365,7 +367,7 @@ class System:
             return ["--app", "bench.apps:factory", "--database-url", self.url,
                     "--concurrency", str(self.concurrency), "--log-level", "warning"]
         if self.name == "pgqueuer":
-            return ["consume"]
+            return ["consume", "--batch-size", str(self.pgq_batch_size)]
         return ["--app=backlog_procrastinate.app", "--log-level=warning", "worker",
                 f"--concurrency={self.concurrency}"]
 
@@ -624,6 +626,8 @@ def main() -> None:
     p.add_argument("--systems", type=lambda s: s.split(","), default=list(SYSTEMS))
     p.add_argument("--concurrency", type=int, default=16,
                    help="pgworkflow's and Procrastinate's per-process concurrency (16)")
+    p.add_argument("--pgq-batch-size", type=int, default=10,
+                   help="PGQueuer's dequeue batch size (10, its default)")
     p.add_argument("--start", choices=["warm", "cold", "frozen"], default="warm",
                    help="how the consumers start (see the module's doc): warm")
     p.add_argument("--analyze", action="store_true",
@@ -633,7 +637,10 @@ def main() -> None:
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
         p.error(f"unknown systems {sorted(unknown)}")
-    systems = {name: System(name, args.concurrency) for name in args.systems}
+    if args.concurrency < 1 or args.pgq_batch_size < 1:
+        p.error("--concurrency and --pgq-batch-size must be at least 1")
+    systems = {name: System(name, args.concurrency, args.pgq_batch_size)
+               for name in args.systems}
     names = list(args.systems)
     wal = WalReader()
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
@@ -686,7 +693,8 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
         row: dict[str, Any] = {"bench": "backlog", "system": name, "consumers": c,
                                "n": args.n, "rounds": len(runs), "start": args.start,
                                "analyze": args.analyze,
-                               "concurrency": args.concurrency, **med,
+                               "concurrency": args.concurrency,
+                               "pgq_batch_size": args.pgq_batch_size, **med,
                                **{f"{key}_rounds": [run[key] for run in runs] for key in KEYS}}
         if name == "pgworkflow":
             for peer in names:

@@ -14,7 +14,8 @@ call (one statement, one commit) per job, from one asyncpg connection.
 is one consumer: `pgqueuer.run(factory)` on uvloop, which is what `pgq run
 bench_pgqueuer:factory` does (the CLI itself fails in 1.6.0 with typer 0.29:
 its `--log-level` reaches the logger as a str), with every default: batch size
-10, no cap on concurrent jobs, 30 s dequeue timeout, SIGTERM/SIGINT handlers.
+10 (`--batch-size` sets another), no cap on concurrent jobs, 30 s dequeue timeout,
+SIGTERM/SIGINT handlers.
 """
 
 from __future__ import annotations
@@ -80,10 +81,12 @@ def main() -> None:
     sub = p.add_subparsers(dest="what", required=True)
     eq = sub.add_parser("enqueue", help="insert the backlog, one commit per job")
     eq.add_argument("--n", type=int, required=True)
-    sub.add_parser("consume", help="run one consumer until SIGTERM")
+    co = sub.add_parser("consume", help="run one consumer until SIGTERM")
+    co.add_argument("--batch-size", type=int, default=10,
+                    help="jobs a dequeue takes at most (10, PGQueuer's default)")
     args = p.parse_args()
     if args.what == "consume":
-        uvloop.run(pgqueuer.run(factory))
+        uvloop.run(pgqueuer.run(factory, batch_size=args.batch_size))
         return
     seconds = asyncio.run(enqueue(args.n))
     print(json.dumps({"enqueued": args.n, "seconds": seconds}), flush=True)
