@@ -64,6 +64,7 @@ Medians over rounds; the ratios pgworkflow/peer are per round, then medianed.
 
     PYTHONPATH=. python bench/backlog.py [--n 10000] [--consumers 1,4,8] [--rounds 2]
         [--systems pgworkflow,pgqueuer,procrastinate] [--start warm|cold|frozen] [--analyze]
+        [--concurrency 16] [--pgq-batch-size 10]
 
 The peers' virtualenvs are bench/.venvs/pgqueuer and bench/.venvs/procrastinate,
 created on first use from bench/peers/<name>/requirements.txt (as run_all.py does).

@@ -86,6 +86,8 @@ def main() -> None:
                     help="jobs a dequeue takes at most (10, PGQueuer's default)")
     args = p.parse_args()
     if args.what == "consume":
+        if args.batch_size < 1:
+            p.error("--batch-size must be at least 1")
         uvloop.run(pgqueuer.run(factory, batch_size=args.batch_size))
         return
     seconds = asyncio.run(enqueue(args.n))
