@@ -202,7 +202,10 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
         "consumer runs, then drained by C consumer processes started the way each library's "
         "users start one (pgworkflow: `python -m workflow.worker --concurrency "
         f"{first.get('concurrency')}`; PGQueuer: a QueueManager with one no-op entrypoint, every "
-        f"default; Procrastinate: `procrastinate worker --concurrency={first.get('concurrency')}`). "
+        f"default, a dequeue batch of {first.get('pgq_batch_size', 10)} (10 unless "
+        "`--pgq-batch-size` says otherwise; bench/README.md, \"One worker's concurrency\", "
+        "says what a larger one does); "
+        f"Procrastinate: `procrastinate worker --concurrency={first.get('concurrency')}`). "
         f"Consumers start `{first.get('start')}`"
         + (
             " (launched before the insert with their modules imported, released together after it)"
