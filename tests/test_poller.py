@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from helpers import Inp, Out, all_succeed, poll, registry, start_each_in_its_own_transaction
 
 import workflow
@@ -113,3 +114,48 @@ def test_a_wake_polls_at_once_whatever_the_poll_interval(
         )
     finally:
         runnable.stop(timeout=10)
+
+
+def test_a_runnable_whose_poller_cannot_start_stops_what_it_started_and_says_so_again(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Out of threads half-way through start(): the listener, sweeper, pruner and
+    # scheduler were running, the poller not. They must not stay behind claiming
+    # (the listener and scheduler do), and a second start() must not report success
+    # while nothing polls. The manager itself is left whole: its fast path and a new
+    # runnable still work.
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+    real_start = threading.Thread.start
+    started: list[threading.Thread] = []
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "workflow-poller":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+        started.append(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        runnable.start()
+    monkeypatch.undo()
+    names = {thread.name for thread in started}
+    assert {"workflow-listener", "workflow-sweeper", "workflow-scheduler"} <= names
+    for thread in started:
+        thread.join(timeout=10)
+        assert not thread.is_alive(), thread.name
+    with pytest.raises(workflow.WorkflowError, match="could not start"):
+        runnable.start()
+    with pytest.raises(workflow.WorkflowError, match="could not start"):
+        runnable.run()
+    assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.SUCCEEDED  # the fast path
+    with db.transaction():
+        queued = wf.start_tx(db, mgr, Inp(2))
+    again = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
+    again.start()
+    try:
+        assert queued.wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        again.stop(timeout=10)
+    assert runnable.stop(timeout=10) is True

@@ -19,6 +19,7 @@ from typing import Any
 
 from workflow.config import RunnerSettings
 from workflow.durations import Duration, seconds
+from workflow.errors import WorkflowError
 from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
 from workflow.poller import Poller
@@ -26,6 +27,8 @@ from workflow.pruner import Pruner
 from workflow.scheduler import Scheduler
 from workflow.service import Service
 from workflow.sweeper import Sweeper
+
+UNDO_PATIENCE = 10.0  # seconds a failed start() waits, in all, for what it started to stop
 
 
 class Runnable:
@@ -81,6 +84,7 @@ class Runnable:
         self._stopped = threading.Event()  # stop() has begun: start() does nothing
         self._done = threading.Event()  # stop() has drained: run() returns
         self._started = False
+        self._failed: BaseException | None = None  # what a start() that failed raised
         self._lock = threading.Lock()
 
     @property
@@ -103,19 +107,41 @@ class Runnable:
 
         Safe from several threads at once (one set of services starts) and does
         nothing after `stop()`. Raises `WorkflowError` when the manager is closed
-        or was built before a `fork()`.
+        or was built before a `fork()`. When a service's thread cannot start (the
+        process is out of threads, say), the services already started are stopped
+        and the error is raised; from then on `start()` and `run()` raise
+        `WorkflowError` (make another runnable). The manager is left as it was.
         """
         self._check()
         with self._lock:
+            if self._failed is not None:
+                raise WorkflowError(
+                    f"this runnable could not start ({self._failed!r}): make another"
+                    " with Manager.new_runnable()"
+                ) from self._failed
             if self._started or self._stopped.is_set():
                 return
             self._started = True
             services = (
                 self._listener, self._sweeper, self._pruner, self._scheduler, self._poller
             )
-            for service in services:
-                if service is not None:
-                    service.start()
+            try:
+                for service in services:
+                    if service is not None:
+                        service.start()
+            except BaseException as e:
+                self._failed = e
+                self._undo_start(services)
+                raise
+
+    def _undo_start(self, services: tuple[Service | None, ...]) -> None:
+        """Stop what a failed `start()` started (none has claimed a run: the poller
+        never ran, and the listener and scheduler only wake it or insert)."""
+        deadline = time.monotonic() + UNDO_PATIENCE
+        for service in reversed(services):
+            if service is not None:
+                service.stop(max(0.0, deadline - time.monotonic()))
+        self._poller.completer.stop(max(0.0, deadline - time.monotonic()))
 
     def run(self) -> None:
         """Start, then block until `stop()` (from another thread or a signal) has drained."""
