@@ -349,6 +349,24 @@ def drain(db: psycopg.Connection[Any], mgr: workflow.Manager, runs: list[workflo
     return runnable
 
 
+def threads_fail_to_start(
+    monkeypatch: pytest.MonkeyPatch, refuse: Callable[[threading.Thread], bool]
+) -> list[threading.Thread]:
+    """From now until `monkeypatch.undo()`, a thread for which `refuse` is true fails to
+    start as in a process out of threads; the list of those that did start."""
+    started: list[threading.Thread] = []
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if refuse(thread):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+        started.append(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    return started
+
+
 class FirstAttempt:
     """A handler recording each attempt's TaskRun: attempt 1 calls `first`, later ones
     return `Out("attempt N")`; `started` is set when attempt 1 begins."""

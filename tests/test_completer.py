@@ -29,6 +29,7 @@ from helpers import (
     insert_claimed_run,
     registry,
     start_each_in_its_own_transaction,
+    threads_fail_to_start,
     wait_until,
 )
 
@@ -301,16 +302,7 @@ def test_a_completer_whose_second_thread_cannot_start_stops_the_first(
     mgr = make_manager(reg)
     completer = Completer(mgr._store, mgr._executor.log, ["W"], 4, lambda: None,
                           lambda wanted: 0, lambda runs, reserved: None, flights=2)
-    started: list[threading.Thread] = []
-    real_start = threading.Thread.start
-
-    def start_one(thread: threading.Thread) -> None:
-        if started:
-            raise RuntimeError("can't start new thread")
-        real_start(thread)
-        started.append(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start_one)
+    started = threads_fail_to_start(monkeypatch, lambda thread: bool(started))
     with pytest.raises(RuntimeError, match="can't start new thread"):
         completer.start()
     monkeypatch.undo()

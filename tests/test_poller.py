@@ -14,7 +14,15 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, all_succeed, poll, registry, start_each_in_its_own_transaction
+from helpers import (
+    Inp,
+    Out,
+    all_succeed,
+    poll,
+    registry,
+    start_each_in_its_own_transaction,
+    threads_fail_to_start,
+)
 
 import workflow
 from workflow import Status
@@ -127,16 +135,7 @@ def test_a_runnable_whose_poller_cannot_start_stops_what_it_started_and_says_so_
     reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
     mgr = make_manager(reg)
     runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.1))
-    real_start = threading.Thread.start
-    started: list[threading.Thread] = []
-
-    def start(thread: threading.Thread) -> None:
-        if thread.name == "workflow-poller":
-            raise RuntimeError("can't start new thread")
-        real_start(thread)
-        started.append(thread)
-
-    monkeypatch.setattr(threading.Thread, "start", start)
+    started = threads_fail_to_start(monkeypatch, lambda t: t.name == "workflow-poller")
     with pytest.raises(RuntimeError, match="can't start new thread"):
         runnable.start()
     monkeypatch.undo()
