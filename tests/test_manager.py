@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Records, other_backends, wait_until
+from helpers import Records, other_backends, threads_fail_to_start, wait_until
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -225,6 +225,27 @@ def test_manager_with_connection_string_owns_its_pool_and_close_closes_it(
         mgr.close(timeout=10)
     wait_until(lambda: other_backends(db) == 0, "the owned pool's connections to close")
     mgr.close()  # idempotent
+
+
+@pytest.mark.direct(reason="counts the pool's own backends in pg_stat_activity")
+def test_a_manager_whose_heartbeat_cannot_start_closes_the_pool_it_built(
+    db_url: str, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Out of threads while the manager is being built: the error is raised, and the
+    # pool it opened (its connection and its threads) does not stay behind; an
+    # application that retries builds one pool at a time, not one more per try.
+    threads_fail_to_start(monkeypatch, lambda thread: thread.name == "workflow-heartbeat")
+    before = {thread.ident for thread in threading.enumerate()}
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        workflow.Manager(db_url, registry())
+    monkeypatch.undo()
+    wait_until(lambda: other_backends(db) == 0, "the pool's connections to close")
+    wait_until(
+        lambda: {thread.ident for thread in threading.enumerate()} <= before,
+        "the pool's threads to end",
+    )
+    with workflow.Manager(db_url, registry()) as mgr:  # nothing was left half-made
+        assert WF.start(mgr, 4).wait(timeout=30) is workflow.Status.SUCCEEDED
 
 
 @pytest.mark.direct(reason="counts the pool's own backends in pg_stat_activity")

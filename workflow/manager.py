@@ -73,8 +73,10 @@ class Manager:
     with the server's reason when a connection string is malformed or its
     database cannot be reached (within the connect timeout, 10 s by default),
     and `ConfigError` unless every task's timeout plus `max_in_process_backoff`
-    is under `sweep_max_age`. A manager must not cross a `fork()`: build it in
-    the child (Gunicorn: in `post_fork`, or lazily on first request).
+    is under `sweep_max_age`. A construction that fails leaves nothing behind: the
+    pool it built is closed, a borrowed one left as it was. A manager must not
+    cross a `fork()`: build it in the child (Gunicorn: in `post_fork`, or lazily
+    on first request).
     """
 
     def __init__(
@@ -104,53 +106,62 @@ class Manager:
             for step in definition.steps:
                 retry = registry.policy(name, step.task.name).resolve(settings)
                 check_against_sweep(f"workflow {name!r}, task {step.task.name!r}", retry, settings)
-        if isinstance(db, str):
-            url = normalize_url(db)
-            # One plain connection first: it fails at once with the server's own
-            # reason, where a pool would retry quietly for its whole timeout.
-            with connect_explained(url) as conn:
-                check_schema(conn)
-                database = conn.info.dbname, current_database(conn)
-            self._pool: ConnectionPool[Any] = make_pool(url, max_size=settings.pool_size)
-            self._owns_pool = True
-            self._pool.open(wait=True, timeout=30.0)
-            self._store = Store(self._pool, self._logger, keep_warm=True)
-        elif isinstance(db, ConnectionPool):
-            self._pool = db
-            self._owns_pool = False
-            self._store = Store(self._pool, self._logger)
-            database = self._store.check_schema()
-        else:
-            raise TypeError(
-                "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
-                f"not {type(db).__name__}"
+        # A failure from here on (no thread to start, a pool that cannot fill) must
+        # not leave the pool this manager opened behind: a retry would add another.
+        owned: ConnectionPool[Any] | None = None
+        try:
+            if isinstance(db, str):
+                url = normalize_url(db)
+                # One plain connection first: it fails at once with the server's own
+                # reason, where a pool would retry quietly for its whole timeout.
+                with connect_explained(url) as conn:
+                    check_schema(conn)
+                    database = conn.info.dbname, current_database(conn)
+                self._pool: ConnectionPool[Any] = make_pool(url, max_size=settings.pool_size)
+                self._owns_pool = True
+                owned = self._pool
+                self._pool.open(wait=True, timeout=30.0)
+                self._store = Store(self._pool, self._logger, keep_warm=True)
+            elif isinstance(db, ConnectionPool):
+                self._pool = db
+                self._owns_pool = False
+                self._store = Store(self._pool, self._logger)
+                database = self._store.check_schema()
+            else:
+                raise TypeError(
+                    "Manager needs a psycopg_pool.ConnectionPool or a connection string, "
+                    f"not {type(db).__name__}"
+                )
+            self._events = Events(log)
+            tracing_on = settings.tracing and tracing.available
+            self._tracing = tracing.Tracing(self._events) if tracing_on else None
+            self._heartbeat = Heartbeat(self._store, settings.heartbeat_interval, log)
+            self._endings = Endings()
+            self._executor = Executor(
+                store=self._store,
+                registry=registry,
+                settings=settings,
+                log=log,
+                heartbeat=self._heartbeat,
+                events=self._events,
+                cipher=self._config.cipher,
+                propagation=self._config.context,
+                on_end=self._endings.ended,
             )
-        self._events = Events(log)
-        tracing_on = settings.tracing and tracing.available
-        self._tracing = tracing.Tracing(self._events) if tracing_on else None
-        self._heartbeat = Heartbeat(self._store, settings.heartbeat_interval, log)
-        self._endings = Endings()
-        self._executor = Executor(
-            store=self._store,
-            registry=registry,
-            settings=settings,
-            log=log,
-            heartbeat=self._heartbeat,
-            events=self._events,
-            cipher=self._config.cipher,
-            propagation=self._config.context,
-            on_end=self._endings.ended,
-        )
-        self._fastpath = FastPath(
-            self._executor, self._endings, settings.max_local_runs, self._fork
-        )
-        self._starter = Starter(
-            registry, self._config, self._store, self._fastpath, self._events, database,
-            capture=tracing.capture if tracing_on else None,
-        )
-        self._runnables: weakref.WeakSet[Runnable] = weakref.WeakSet()
-        self._heartbeat.start()
-        _forks.add(self._fork)
+            self._fastpath = FastPath(
+                self._executor, self._endings, settings.max_local_runs, self._fork
+            )
+            self._starter = Starter(
+                registry, self._config, self._store, self._fastpath, self._events, database,
+                capture=tracing.capture if tracing_on else None,
+            )
+            self._runnables: weakref.WeakSet[Runnable] = weakref.WeakSet()
+            self._heartbeat.start()
+            _forks.add(self._fork)
+        except BaseException:
+            if owned is not None:
+                owned.close()
+            raise
 
     def _check_usable(self, *, runnable: bool = False) -> None:
         """Raise `WorkflowError` when this manager cannot serve a call now.
