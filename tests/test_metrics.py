@@ -8,6 +8,7 @@ a port of its own and exits 0 on SIGTERM. No label ever carries a run id.
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import urllib.request
@@ -315,7 +316,9 @@ def test_the_keda_query_the_stats_command_and_the_gauge_agree(
     assert stats.claimable == 3
 
 
-def test_the_flask_extension_hands_each_processs_manager_to_on_manager(db_url: str) -> None:
+def instrumented_extension(db_url: str) -> tuple[Any, Any, Any]:
+    """A Flask extension whose `on_manager` instruments each manager into a registry of
+    its own; the extension, its workflow and the registry."""
     flask = pytest.importorskip("flask")
     from workflow.contrib.flask import WorkflowExtension
 
@@ -325,11 +328,83 @@ def test_the_flask_extension_hands_each_processs_manager_to_on_manager(db_url: s
         flask.Flask("metrics"), registry=reg, database_url=db_url,
         on_manager=lambda mgr: metrics.instrument(mgr, prom),
     )
+    return ext, wf, prom
+
+
+def test_the_flask_extension_hands_each_manager_to_on_manager_and_closes_what_it_returned(
+    db_url: str,
+) -> None:
+    # on_manager=metrics.instrument registers the metrics; a close that left them
+    # registered (and fed by a closed manager) would make the next build's
+    # instrument() fail for good with prometheus_client's "Duplicated timeseries".
+    ext, wf, prom = instrumented_extension(db_url)
     try:
         assert wf.start(ext.get_manager(), Inp(1)).wait(timeout=20) is Status.SUCCEEDED
         assert value(prom, "pgworkflow_runs_started_total", workflow="W") == 1
+        ext.close()
+        assert [family.name for family in prom.collect()] == []
+        assert wf.start(ext.get_manager(), Inp(2)).wait(timeout=20) is Status.SUCCEEDED
+        assert value(prom, "pgworkflow_runs_started_total", workflow="W") == 1
     finally:
         ext.close()
+
+
+def test_a_forked_child_instruments_its_own_manager_in_the_registry_it_copied(
+    db_url: str,
+) -> None:
+    # Gunicorn with --preload: the parent used the extension, so its metrics are in
+    # the registry each child inherits; the child's manager must get its own there.
+    ext, wf, prom = instrumented_extension(db_url)
+    try:
+        parent = ext.get_manager()
+        assert wf.start(parent, Inp(1)).wait(timeout=20) is Status.SUCCEEDED
+        pid = os.fork()
+        if pid == 0:  # the child: report through the exit code only
+            code = 1
+            try:
+                child = ext.get_manager()
+                ok = wf.start(child, Inp(2)).wait(timeout=20) is Status.SUCCEEDED
+                counted = value(prom, "pgworkflow_runs_started_total", workflow="W") == 1
+                code = 0 if ok and counted else 2
+                ext.close(timeout=10)
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert ext.get_manager() is parent  # the parent's metrics are its own still
+        assert value(prom, "pgworkflow_runs_started_total", workflow="W") == 1
+    finally:
+        ext.close(timeout=10)
+
+
+def test_a_close_with_a_bad_timeout_closes_nothing(db_url: str) -> None:
+    flask = pytest.importorskip("flask")
+    from workflow.contrib.flask import WorkflowExtension
+
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    ext = WorkflowExtension(flask.Flask("bad-timeout"), registry=reg, database_url=db_url)
+    try:
+        mgr = ext.get_manager()
+        with pytest.raises(ValueError):
+            ext.close(timeout=float("inf"))
+        assert ext.get_manager() is mgr
+        assert wf.start(mgr, Inp(1)).wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        ext.close(timeout=10)
+
+
+def test_an_instrumentation_that_cannot_be_built_leaves_its_registry_as_it_was(
+    db_url: str,
+) -> None:
+    prom = prometheus_client.CollectorRegistry()
+    reg, _ = registry(workflow.handle(A, lambda run: Out("x")))
+    closed = workflow.Manager(db_url, reg)
+    closed.close()
+    with pytest.raises(workflow.WorkflowError):
+        metrics.instrument(closed, prom)
+    assert [family.name for family in prom.collect()] == []
+    with workflow.Manager(db_url, reg) as mgr:
+        metrics.instrument(mgr, prom).close()
 
 
 def test_a_failing_on_manager_closes_what_it_built(

@@ -95,42 +95,65 @@ class Instrumentation:
         """The registry the metrics are in."""
         self._started = prometheus_client.Counter(
             PREFIX + "runs_started", "Runs inserted by this process.", ["workflow"],
-            registry=registry,
+            registry=None,
         )
         self._finished = prometheus_client.Counter(
             PREFIX + "runs_finished",
             "Runs that reached a terminal status in an execution in this process.",
-            ["workflow", "status"], registry=registry,
+            ["workflow", "status"], registry=None,
         )
         self._attempts = prometheus_client.Counter(
             PREFIX + "task_attempts",
             "Task attempts that ended in this process (or were swept by it), by outcome.",
-            ["workflow", "task", "outcome"], registry=registry,
+            ["workflow", "task", "outcome"], registry=None,
         )
         self._duration = prometheus_client.Histogram(
             PREFIX + "task_duration_seconds", "How long task attempts ran.",
-            ["workflow", "task"], buckets=DURATION_BUCKETS, registry=registry,
+            ["workflow", "task"], buckets=DURATION_BUCKETS, registry=None,
         )
         self._pickup = prometheus_client.Histogram(
             PREFIX + "run_pickup_delay_seconds",
             "How long a run had been claimable when a poller in this process claimed it.",
-            ["workflow"], buckets=PICKUP_BUCKETS, registry=registry,
+            ["workflow"], buckets=PICKUP_BUCKETS, registry=None,
         )
         self._gauges = _Gauges(mgr, gauge_cache)
-        registry.register(self._gauges)
+        # Registered only once all are built, and all or none: an instrumentation that
+        # fails part-way (a closed manager, a name already taken) leaves the registry as
+        # it was, so that a later one can register there.
+        registered: list[Any] = []
+        try:
+            for collector in self._collectors():
+                registry.register(collector)
+                registered.append(collector)
+        except BaseException:
+            for collector in registered:
+                registry.unregister(collector)
+            self._gauges.close()
+            raise
         # Children looked up once per label set: the hot path is one dict lookup.
         self._attempt_children: dict[tuple[str, str, str], Any] = {}
         self._duration_children: dict[tuple[str, str], Any] = {}
         self._children: dict[tuple[Any, ...], Any] = {}
+        self._closed = False
+        self._close_lock = threading.Lock()
         self._unsubscribe = mgr.events.subscribe(self._on_event)
 
-    def close(self) -> None:
-        """Stop counting and remove every metric of this instrumentation from its registry."""
-        self._unsubscribe()
-        for collector in (
+    def _collectors(self) -> tuple[Any, ...]:
+        return (
             self._started, self._finished, self._attempts, self._duration, self._pickup,
             self._gauges,
-        ):
+        )
+
+    def close(self) -> None:
+        """Stop counting and remove every metric of this instrumentation from its registry.
+
+        Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._unsubscribe()
+        for collector in self._collectors():
             self.registry.unregister(collector)
         self._gauges.close()
 

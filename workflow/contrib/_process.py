@@ -5,13 +5,16 @@ process and serves it from forked children, and a manager must not cross a
 `fork()`. `ProcessManager` builds nothing until it is first used, and builds
 afresh when the process id differs from the one it built in. What the parent
 built is left alone in the child: closing it there would stop threads that do
-not exist and close sockets the parent still uses.
+not exist and close sockets the parent still uses. The one exception is what
+`workflow.metrics.instrument` returned for the parent's manager: it only holds
+names in a metrics registry the child copied, which the child's own manager needs.
 """
 
 from __future__ import annotations
 
 import atexit
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Mapping
@@ -22,7 +25,7 @@ from psycopg_pool import ConnectionPool, PoolTimeout
 
 from workflow.app import App
 from workflow.config import Config, Settings
-from workflow.durations import Duration
+from workflow.durations import Duration, seconds
 from workflow.errors import WorkflowError
 from workflow.manager import Manager
 from workflow.store.connections import make_pool
@@ -36,6 +39,7 @@ class _Built:
     pid: int
     pool: ConnectionPool[Any]
     manager: Manager
+    hooked: object = None  # what `on_manager`'s callable returned, closed with the manager
 
 
 class _ForkSafeLock:
@@ -65,6 +69,15 @@ def _close_at_exit(ref: weakref.ref[ProcessManager]) -> None:
         instance.close()
 
 
+def _release_inherited_metrics(hooked: object) -> None:
+    """In a forked child, take the parent's manager's metrics out of the child's copy of
+    their registry (touching no connection), so that the child's manager can be
+    instrumented there; anything else an `on_manager` callable returned is left alone."""
+    metrics = sys.modules.get("workflow.metrics")
+    if metrics is not None and isinstance(hooked, metrics.Instrumentation):
+        hooked.close()
+
+
 def pool_size(config: Config | None) -> int:
     """A pool size for a manager's fast path, like the one `Manager(url, ...)` builds."""
     return Settings.of(config if config is not None else Config()).pool_size
@@ -79,7 +92,8 @@ class ProcessManager:
     overriding the defaults (`min_size=1`, a `max_size` sized for the fast path,
     `kwargs={"autocommit": True}`). `on_manager()`, when given, returns a callable
     (or None) that is handed each manager once it is built, in its process: where
-    `workflow.metrics.instrument` goes. When it raises, the manager and its pool
+    `workflow.metrics.instrument` goes; what that returns is closed with the
+    manager when it has a `close()`. When it raises, the manager and its pool
     are closed and the error propagates.
     """
 
@@ -117,6 +131,7 @@ class ProcessManager:
             if built is not None:
                 self._inherited.append(built)
                 self._built = None
+                _release_inherited_metrics(built.hooked)
             self._built = self._build(pid)
             return self._built
 
@@ -136,17 +151,18 @@ class ProcessManager:
                     "server is up"
                 ) from exc
             manager = Manager(pool, app.registry, app.config, logger=app.logger)
-            hook = self._on_manager() if self._on_manager is not None else None
-            if hook is not None:
-                try:
-                    hook(manager)
-                except BaseException:
-                    manager.close()
-                    raise
+            hooked: object = None
+            try:
+                hook = self._on_manager() if self._on_manager is not None else None
+                if hook is not None:
+                    hooked = hook(manager)
+            except BaseException:
+                manager.close()
+                raise
         except BaseException:
             pool.close()
             raise
-        return _Built(pid=pid, pool=pool, manager=manager)
+        return _Built(pid=pid, pool=pool, manager=manager, hooked=hooked)
 
     @property
     def built(self) -> bool:
@@ -169,16 +185,26 @@ class ProcessManager:
         return self._current().pool
 
     def close(self, timeout: Duration | None = None) -> None:
-        """Close this process's manager (draining it, up to `timeout`), then its pool.
+        """Close this process's manager (draining it, up to `timeout`), then what
+        `on_manager`'s callable returned when it has a `close()` (the metrics that
+        `workflow.metrics.instrument` registered), then the pool.
 
         Does nothing when this process built nothing; the next use builds afresh.
+        Raises `ValueError` for a timeout that is not a finite duration, before
+        closing anything.
         """
+        limit = None if timeout is None else seconds(timeout, "timeout")
         with self._guard.lock:
             built = self._built
             if built is None or built.pid != os.getpid():
                 return
             self._built = None
         try:
-            built.manager.close(timeout)
+            built.manager.close(limit)
         finally:
-            built.pool.close()
+            try:
+                close = getattr(built.hooked, "close", None)
+                if callable(close):
+                    close()
+            finally:
+                built.pool.close()

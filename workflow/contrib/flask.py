@@ -58,7 +58,8 @@ class WorkflowExtension:
     `psycopg_pool.ConnectionPool` (e.g. `{"max_size": 32}`, or
     `{"kwargs": {"autocommit": True, "prepare_threshold": None}}` behind
     PgBouncer). `on_manager(manager)` is called with each process's manager once
-    it is built (`on_manager=workflow.metrics.instrument` exports its metrics).
+    it is built (`on_manager=workflow.metrics.instrument` exports its metrics);
+    what it returns is closed with the manager when it has a `close()`.
     Building nothing until first use is what makes it fork-safe.
     """
 

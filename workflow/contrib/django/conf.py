@@ -13,7 +13,7 @@ manager's connections use the alias's connection settings, in a pool of their ow
 `start_on_commit` inserts on the alias's own connection, inside the caller's
 transaction. `ON_MANAGER` (a callable, or "module:attr") is handed each process's
 manager once it is built: `workflow.metrics:instrument` exports its metrics into
-prometheus_client's registry.
+prometheus_client's registry (and what it returns is closed with the manager).
 """
 
 from __future__ import annotations
