@@ -558,6 +558,43 @@ def test_close_cancels_and_waits_for_in_flight_executions(
     assert second_calls == []
 
 
+def test_close_with_a_timeout_returns_while_the_heartbeat_waits_on_a_lock(
+    make_manager: Any, db_url: str
+) -> None:
+    # A migration's lock during a deploy: the heartbeat's claim check waits on it. The
+    # timeout bounds the whole close(), the heartbeat's stop included.
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def held(run: workflow.TaskRun[int]) -> int:
+        entered.set()
+        gate.wait(timeout=60)
+        return run.input
+
+    mgr = make_manager(registry(workflow.handle(STEP_ONE, held), workflow.handle(STEP_TWO, noop)))
+    WF.start(mgr, 1)
+    assert entered.wait(timeout=30)
+    with psycopg.connect(db_url, autocommit=True) as locker:
+        locker.execute("BEGIN")
+        locker.execute("LOCK TABLE workflow_runs IN ACCESS EXCLUSIVE MODE")
+        try:
+            wait_until(
+                lambda: locker.execute(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone() != (0,),
+                "the heartbeat to wait on the lock",
+            )
+            closing = threading.Thread(target=mgr.close, kwargs={"timeout": 1.0})
+            closing.start()
+            closing.join(timeout=30)
+            assert not closing.is_alive(), "close(timeout=1) returned while the lock is held"
+        finally:
+            gate.set()
+            locker.execute("ROLLBACK")
+    closing.join(timeout=30)
+
+
 def test_close_with_a_timeout_returns_and_logs_when_a_handler_ignores_cancellation(
     make_manager: Any,
     db: psycopg.Connection[Any],

@@ -397,12 +397,17 @@ class Manager:
                         "swept after sweep_max_age"
                     )
             self._closed = True
-            self._fastpath.shutdown()
-            if not forked:
-                self._heartbeat.stop()
-            self._store.close(forked=forked)
-            if self._owns_pool and not forked:
-                self._pool.close()
+            # Whatever raises on the way (a ^C in a join), the pool is still closed.
+            try:
+                self._fastpath.shutdown()
+                if not forked:  # it may wait on a lock: within what the timeout left
+                    self._heartbeat.stop(left())
+            finally:
+                try:
+                    self._store.close(forked=forked)
+                finally:
+                    if self._owns_pool and not forked:
+                        self._pool.close()
 
     def __enter__(self) -> Manager:
         return self
