@@ -16,7 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import FLUSH_STATS, committed_transactions, dbname_of
+from helpers import FLUSH_STATS, committed_transactions, dbname_of, threads_fail_to_start
 from psycopg_pool import ConnectionPool
 
 import workflow
@@ -256,6 +256,35 @@ def test_wait_kicks_a_claimable_unclaimed_run(
     assert run.wait(timeout=30) is workflow.Status.SUCCEEDED
     assert h.count("wait.one", "kick") == 1 and h.count("wait.two", "kick") == 1
     assert h.threads and all(name.startswith("workflow-run") for name in h.threads)
+
+
+def test_a_kick_whose_thread_cannot_start_leaves_the_run_claimable_and_wait_to_its_polls(
+    make_manager: Any,
+    h: Handlers,
+    db_url: str,
+    db: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Out of threads: the kick claims the run, cannot launch it, releases it. wait()
+    # must then wait its poll interval before trying again, not claim and release
+    # the run in a loop for as long as it waits.
+    mgr = make_manager(rules(h))
+    run = committed_start_tx(db_url, WF, mgr, "no-thread")
+    claims = []
+    store = mgr._executor.store
+    claim_run = store.claim_run
+
+    def counted(*args: Any) -> Any:
+        claims.append(args)
+        return claim_run(*args)
+
+    monkeypatch.setattr(store, "claim_run", counted)
+    threads_fail_to_start(monkeypatch, lambda t: t.name.startswith("workflow-run"))
+    assert run.wait(timeout=2.5) is workflow.Status.RUNNING  # what a wait that times out says
+    monkeypatch.undo()
+    assert 1 <= len(claims) <= 4, f"{len(claims)} claims in one wait of 2.5 s (polls every 1 s)"
+    assert row_of(db, run.id)["claim_id"] is None  # released: claimable by anyone
+    assert run.wait(timeout=30) is workflow.Status.SUCCEEDED  # threads again: it runs
 
 
 def test_wait_kicks_a_released_run_that_is_due(

@@ -56,23 +56,30 @@ class FastPath:
         with self._lock:
             self._in_flight -= 1
 
-    def launch(self, run: ClaimedRun, input: Any = NO_INPUT) -> None:
-        """Execute `run` on the fast path's threads; the caller holds a slot."""
+    def launch(self, run: ClaimedRun, input: Any = NO_INPUT) -> bool:
+        """Execute `run` on the fast path's threads; the caller holds a slot. False when
+        no thread took it (shut down since the slot was taken, or no thread could
+        start): its claim is then released, and the slot given back."""
         executor = self._executor
         self._endings.executing(run.id)
         executor.admit()
         try:
             self._threads.submit(self._execute, (run, input))
-        except RuntimeError:  # shut down since the slot was taken
+        except RuntimeError:
             executor.dismiss()
             self.release_slot()
-            executor.store.release_claim(run.id, run.claim_id)
-            self._endings.ended(run.id, None)
+            try:
+                executor.store.release_claim(run.id, run.claim_id)
+            finally:  # a waiter must not wait on an execution that never began
+                self._endings.abandoned(run.id)
+            return False
+        return True
 
     def kick(self, run_id: uuid.UUID) -> bool:
         """Claim `run_id` by id and execute it here, if it is claimable now and there is room.
 
-        True when it was claimed and launched. Blocks on one statement.
+        True when it was claimed and launched (False when no thread could take it: the
+        claim is released again). Blocks on one statement.
         """
         if not self.try_slot():
             return False
@@ -87,8 +94,7 @@ class FastPath:
                 executor.store.release_claim(claimed.id, claimed.claim_id)
             self.release_slot()
             return False
-        self.launch(claimed)
-        return True
+        return self.launch(claimed)
 
     def shutdown(self) -> None:
         """Refuse new launches; the threads stop after what is queued."""

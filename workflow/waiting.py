@@ -113,6 +113,15 @@ class Endings:
         if waiter is not None:
             waiter.set()
 
+    def abandoned(self, run_id: uuid.UUID) -> None:
+        """The local execution of `run_id` announced by `executing` never began (no thread
+        took it; its claim was released). Whoever waits on that execution re-reads the
+        database; a `wait()` that kicked the run is not woken to kick it again at once."""
+        with self._lock:
+            ending = self._local.pop(run_id, None)
+        if ending is not None and not ending.done:
+            ending.set()
+
     def of(self, run_id: uuid.UUID) -> Ending | None:
         """The local execution of `run_id`, running or recently ended, if any."""
         with self._lock:
