@@ -5,6 +5,8 @@ from __future__ import annotations
 import datetime
 import math
 import threading
+import time
+from collections.abc import Callable
 from typing import TypeAlias
 
 Duration: TypeAlias = "int | float | datetime.timedelta"
@@ -42,3 +44,12 @@ def seconds(value: object, what: str) -> float:
             "may be; for no limit, pass None where the option allows it"
         )
     return result
+
+
+def time_left(limit: float | None) -> Callable[[], float | None]:
+    """A function giving the seconds left of `limit` from now (never below 0), or None
+    for no limit: one deadline shared by the several waits of one call."""
+    if limit is None:
+        return lambda: None
+    deadline = time.monotonic() + limit
+    return lambda: max(0.0, deadline - time.monotonic())

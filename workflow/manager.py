@@ -12,7 +12,6 @@ import datetime
 import logging
 import os
 import threading
-import time
 import uuid
 import weakref
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -23,7 +22,7 @@ from psycopg_pool import ConnectionPool
 from workflow import codec, tracing
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.definition import Registry, Workflow
-from workflow.durations import Duration, seconds
+from workflow.durations import Duration, seconds, time_left
 from workflow.errors import ConfigError, RunNotFound, WorkflowError
 from workflow.events import Events
 from workflow.executor import Executor, refuse_inside_handler
@@ -383,10 +382,7 @@ class Manager:
         with self._close_lock:
             if self._closed:
                 return
-            deadline = None if limit is None else time.monotonic() + limit
-
-            def left() -> float | None:
-                return None if deadline is None else max(0.0, deadline - time.monotonic())
+            left = time_left(limit)
 
             if not forked:
                 for runnable in list(self._runnables):

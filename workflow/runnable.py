@@ -13,12 +13,11 @@ whole stop.
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from workflow.config import RunnerSettings
-from workflow.durations import Duration, seconds
+from workflow.durations import Duration, seconds, time_left
 from workflow.errors import WorkflowError
 from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
@@ -137,11 +136,9 @@ class Runnable:
     def _undo_start(self, services: tuple[Service | None, ...]) -> None:
         """Stop what a failed `start()` started (none has claimed a run: the poller
         never ran, and the listener and scheduler only wake it or insert)."""
-        deadline = time.monotonic() + UNDO_PATIENCE
-        for service in reversed(services):
-            if service is not None:
-                service.stop(max(0.0, deadline - time.monotonic()))
-        self._poller.completer.stop(max(0.0, deadline - time.monotonic()))
+        left = time_left(UNDO_PATIENCE)
+        _stop_each(reversed(services), left)
+        self._poller.completer.stop(left())
 
     def run(self) -> None:
         """Start, then block until `stop()` (from another thread or a signal) has drained."""
@@ -158,23 +155,20 @@ class Runnable:
         """
         limit = None if timeout is None else seconds(timeout, "timeout")
         refuse_inside_handler(self._executor, "stop()")
-        deadline = None if limit is None else time.monotonic() + limit
-
-        def left() -> float | None:
-            return None if deadline is None else max(0.0, deadline - time.monotonic())
-
+        left = time_left(limit)
         with self._lock:
             self._stopped.set()
-        claiming: tuple[Service | None, ...] = (self._listener, self._scheduler, self._poller)
-        for service in claiming:
-            if service is not None:
-                service.stop(left())
+        _stop_each((self._listener, self._scheduler, self._poller), left)
         drained = self._executor.drain(left())
         # The drain waited for the finishes handed to the completer too: it has none left.
         self._poller.completer.stop(left())
-        maintaining: tuple[Service | None, ...] = (self._sweeper, self._pruner)
-        for service in maintaining:
-            if service is not None:
-                service.stop(left())
+        _stop_each((self._sweeper, self._pruner), left)
         self._done.set()
         return drained
+
+
+def _stop_each(services: Iterable[Service | None], left: Callable[[], float | None]) -> None:
+    """Stop each service there is, in turn, within what `left()` says is left."""
+    for service in services:
+        if service is not None:
+            service.stop(left())

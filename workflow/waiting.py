@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import collections
 import threading
-import time
 import uuid
 import weakref
 from typing import TYPE_CHECKING
 
+from workflow.durations import time_left
 from workflow.errors import RunNotFound, WorkflowError
 from workflow.run import Failure, RunStatus, Status
 from workflow.store import StatusRow, Store
@@ -180,10 +180,7 @@ def wait(
             f"workflow: wait() on run {shown} from inside one of its own handlers: its "
             "own run cannot end before the handler returns"
         )
-    deadline = None if limit is None else time.monotonic() + limit
-
-    def left() -> float | None:
-        return None if deadline is None else max(0.0, deadline - time.monotonic())
+    left = time_left(limit)
 
     waiter: threading.Event | None = None
     while True:
