@@ -43,6 +43,17 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """With `$CI` set, a skipped test fails the run: a green CI must have run everything."""
+    if not os.environ.get("CI") or exitstatus != 0:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = len(reporter.stats.get("skipped", [])) if reporter is not None else 0
+    if skipped:
+        print(f"\n$CI is set and {skipped} test(s) were skipped: that is a failure here")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session."""
     if not ENABLED:
