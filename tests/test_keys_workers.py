@@ -155,6 +155,12 @@ def test_a_killed_workers_key_is_held_until_the_sweep_then_its_run_goes_first(
     # Another key is not held up by the dead worker's.
     wait_until(lambda: other.status().status is workflow.Status.SUCCEEDED, "the other key")
     assert [r.status().status for r in later] == [workflow.Status.PENDING] * 2
+    assert first.status().status is workflow.Status.RUNNING
+    # The dead claim's heartbeat grows old: what 60 s would do, without the wait.
+    key_ledger.execute(
+        "UPDATE workflow_runs SET heartbeat_at = now() - interval '1 hour' WHERE id = %s",
+        (first.id,),
+    )
     for run in (first, *later):
         assert run.wait(timeout=30) is workflow.Status.SUCCEEDED
     rows = [r for r in entries(key_ledger) if r[0] == "acct"]

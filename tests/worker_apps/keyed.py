@@ -104,10 +104,11 @@ def three() -> workflow.Registry:
     return registry(3)
 
 
-QUICK_SWEEP = workflow.Config(sweep_max_age=6, default_task_timeout=2, max_in_process_backoff=0.5)
-"""A killed worker's claim is stale after 6 s (an attempt may last 2 s): long enough that a
-second worker starts and runs another key's run before the sweep, even on a loaded
-machine (at 3 s a newcomer's embedded-server pass once saw the sweep come first)."""
+QUICK_SWEEP = workflow.Config(sweep_max_age=60, default_task_timeout=2, max_in_process_backoff=0.5)
+"""A killed worker's claim is stale after 60 s, which no test waits for: the test ages the
+dead claim's heartbeat itself (`UPDATE ... heartbeat_at`) once it has seen the key held, so
+the order of "another key runs" and "the sweep comes" never rests on a machine's speed (at
+3 s, then 6 s, a newcomer's embedded-server pass saw the sweep come first)."""
 
 
 def quick_sweep_app() -> workflow.App:
