@@ -3,7 +3,7 @@
 Every start-up failure is exactly one line on stderr, no traceback: exit 2 for a
 usage error, a bad `--app` included (no such module or attribute, a factory that
 returns something else); 1 for an application whose own import or factory
-raises, an unreachable database or an outdated schema.
+raises, an unreachable database, an outdated schema or a thread that cannot start.
 """
 
 from __future__ import annotations
@@ -287,6 +287,16 @@ def test_a_config_the_manager_refuses_is_one_line_and_exit_1(db_url: str) -> Non
     )
     assert line.startswith("workflow: cannot start the worker: ")
     assert "sweep_max_age" in line
+
+
+@pytest.mark.parametrize("factory", ["no_thread_for_the_poller", "no_thread_for_the_heartbeat"])
+def test_a_thread_that_cannot_start_is_one_line_and_exit_1(db_url: str, factory: str) -> None:
+    """A process out of threads (here: one thread refused by name) ends the worker with
+    one line, not a traceback."""
+    line = one_line(
+        run_worker("--app", f"tests.worker_apps.bad:{factory}", "--database-url", db_url), 1
+    )
+    assert line == "workflow: cannot start the worker: can't start new thread"
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P arrived in 3.11")

@@ -15,8 +15,8 @@ SIGTERM or SIGINT, which drains it (runnable.py says what a drain does) and exit
 0; a second signal exits at once. Exit codes: 0 after a drain; 2 for a usage
 error, a bad `--app` included (no such module or attribute, or a factory that
 returns something else); 1 for the rest (the application's import or factory
-raising, an unreachable database, an outdated schema). Each failure is exactly
-one line on stderr, no traceback.
+raising, an unreachable database, an outdated schema, a thread that cannot
+start). Each failure is exactly one line on stderr, no traceback.
 
 `--metrics-port` serves Prometheus metrics (`workflow.metrics`, the `metrics`
 extra) at `http://HOST:PORT/metrics`, on 127.0.0.1 unless `--metrics-host` says
@@ -387,6 +387,14 @@ class _Metrics:
         self._instrumentation.close()
 
 
+def _cannot_start(exc: BaseException) -> CommandFailed:
+    """`exc` as the worker's one line."""
+    text = str(exc)
+    if not text.startswith("workflow: "):
+        text = f"workflow: cannot start the worker: {text}"
+    return CommandFailed(text)
+
+
 def serve(options: argparse.Namespace, signals: Signals) -> int:
     """Run the worker the options of `add_arguments` describe, until `signals` get one.
 
@@ -394,7 +402,8 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
     and runs one Runnable; on the first signal drains it and returns 0. Raises
     `UsageError` (exit 2: a bad `--app`, no database URL) and `CommandFailed`
     (exit 1: an application that fails to load, an unreachable database, an
-    outdated schema, a config the manager refuses), each one line.
+    outdated schema, a config the manager refuses, a thread that cannot start),
+    each one line.
     """
     url = database_url(options.database_url, PROG)
     app = options.app if isinstance(options.app, App) else _load(options.app)
@@ -408,12 +417,10 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
     try:
         pool.open(wait=True, timeout=30.0)
         manager = Manager(pool, app.registry, app.config, logger=app.logger)
-    except (psycopg.Error, WorkflowError) as exc:
+    except (psycopg.Error, WorkflowError, RuntimeError) as exc:
+        # RuntimeError: a thread that cannot start (the process is out of threads).
         pool.close()
-        text = str(exc)
-        if not text.startswith("workflow: "):
-            text = f"workflow: cannot start the worker: {text}"
-        raise CommandFailed(text) from None
+        raise _cannot_start(exc) from None
     log = EngineLog(manager.logger)
     exporter: _Metrics | None = None
     try:
@@ -422,7 +429,10 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
             log.info("metrics at %s", exporter.url)
         runnable = manager.new_runnable(runner_config)
         if signals.received is None:
-            runnable.start()
+            try:
+                runnable.start()
+            except RuntimeError as exc:  # a thread that cannot start; the rest stopped
+                raise _cannot_start(exc) from None
             log.info("worker started: %s", _describe(runner_config, app))
         name = signals.wait()
         log.info(
@@ -446,8 +456,8 @@ def main(argv: list[str] | None = None) -> int:
     Call it from the main thread: it blocks until SIGTERM or SIGINT, then drains
     and returns 0 (a second signal ends the process at once, with status 130
     after SIGINT, 1 after SIGTERM). Returns 2 for a usage error (a bad `--app`
-    included), 1 for an application that fails to load, an unreachable database
-    or an outdated schema, each after one line on stderr.
+    included), 1 for an application that fails to load, an unreachable database,
+    an outdated schema or a thread that cannot start, each after one line on stderr.
     """
     if threading.current_thread() is not threading.main_thread():
         print(f"{PROG}: main() must run in the main thread (it handles signals)", file=sys.stderr)

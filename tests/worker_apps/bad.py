@@ -25,3 +25,34 @@ def inconsistent_timeouts() -> workflow.App:
     from .three_tasks import registry
 
     return workflow.App(registry(), config=workflow.Config(sweep_max_age=3))
+
+
+def _refuse_threads(prefix: str) -> None:
+    """From now on, in this process, a thread whose name starts with `prefix` fails to
+    start as in a process out of threads (the real `Thread.start` raises the same)."""
+    import threading
+
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith(prefix):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+
+def no_thread_for_the_poller() -> workflow.Registry:
+    """`Three`, in a process where the poller's thread cannot start."""
+    from .three_tasks import registry
+
+    _refuse_threads("workflow-poller")
+    return registry()
+
+
+def no_thread_for_the_heartbeat() -> workflow.Registry:
+    """`Three`, in a process where the manager's heartbeat thread cannot start."""
+    from .three_tasks import registry
+
+    _refuse_threads("workflow-heartbeat")
+    return registry()
