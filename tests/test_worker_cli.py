@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -319,3 +320,29 @@ def test_the_current_directory_is_importable_even_when_python_leaves_it_off_the_
         timeout=60,
     )
     assert "returned 42" in one_line(proc, 2)
+
+
+def test_handling_signals_off_the_main_thread_raises_and_leaves_no_descriptor_open() -> None:
+    from workflow import worker
+
+    def open_fds() -> set[str]:
+        return set(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    errors: list[BaseException] = []
+
+    def install() -> None:
+        try:
+            with worker.handling_signals():
+                pass
+        except BaseException as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=install)
+    thread.start()
+    thread.join()
+    [error] = errors
+    assert isinstance(error, ValueError) and "main thread" in str(error)
+    # The listing's own descriptor comes and goes; a pipe left open would stay.
+    assert open_fds() - before == set()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

@@ -276,26 +276,40 @@ class Signals:
         self._read_fd = -1
         self._write_fd = -1
         self._previous_wakeup_fd = -1
+        self._wakeup_set = False
 
     def install(self) -> None:
-        """Install the handlers; the caller is the main thread."""
+        """Install the handlers. Raises `ValueError` off the main thread (Python
+        handles signals only there), having changed nothing."""
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("Signals.install() must be called from the main thread")
         self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._write_fd, False)
-        self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
-        for signum in self.HANDLED:
-            self._previous[signum] = signal.signal(signum, self._handle)
         self._installed = True
+        try:
+            os.set_blocking(self._write_fd, False)
+            self._previous_wakeup_fd = signal.set_wakeup_fd(self._write_fd)
+            self._wakeup_set = True
+            for signum in self.HANDLED:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        except BaseException:
+            self.uninstall()
+            raise
 
     def uninstall(self) -> None:
         """Restore the previous handlers and close the pipe."""
         if not self._installed:
             return
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-        signal.set_wakeup_fd(self._previous_wakeup_fd)
-        os.close(self._read_fd)
-        os.close(self._write_fd)
         self._installed = False
+        try:
+            for signum, handler in self._previous.items():
+                signal.signal(signum, handler)
+            self._previous.clear()
+            if self._wakeup_set:
+                signal.set_wakeup_fd(self._previous_wakeup_fd)
+                self._wakeup_set = False
+        finally:
+            os.close(self._read_fd)
+            os.close(self._write_fd)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:
