@@ -7,7 +7,8 @@ drains (`Executor.drain`): no attempt begins, every in-flight handler sees
 failure caused by the shutdown is not counted) and releases its claim for
 immediate re-claim, and the finishes handed to the poller's completer are
 written; then the completer, the sweeper and the pruner stop. One deadline bounds the
-whole stop.
+whole stop. A stop interrupted part-way (Ctrl-C) tells what is left to stop without
+waiting; a Ctrl-C that ends `run()` drains first.
 """
 
 from __future__ import annotations
@@ -141,9 +142,18 @@ class Runnable:
         self._poller.completer.stop(left())
 
     def run(self) -> None:
-        """Start, then block until `stop()` (from another thread or a signal) has drained."""
+        """Start, then block until `stop()` (from another thread or a signal) has drained.
+
+        Interrupted while it waits (Ctrl-C's `KeyboardInterrupt` in the main thread,
+        a signal handler's `SystemExit`), it drains as `stop()` does, then lets the
+        exception go on: a second Ctrl-C cuts that drain short.
+        """
         self.start()
-        self._done.wait()
+        try:
+            self._done.wait()
+        except BaseException:
+            self.stop()
+            raise
 
     def stop(self, timeout: Duration | None = None) -> bool:
         """Stop claiming, drain in-flight executions, stop the services.
@@ -151,20 +161,35 @@ class Runnable:
         Blocks until in-flight attempts end, or until `timeout` seconds in all;
         True when all ended. Raises `ValueError` for a timeout that is not a
         finite duration, and `WorkflowError` when called from inside a handler
-        this manager executes (it would wait for its own execution).
+        this manager executes (it would wait for its own execution). Interrupted
+        part-way (Ctrl-C while it waits), it still tells every service and
+        execution to stop, without waiting, before the exception goes on; `run()`
+        returns either way.
         """
         limit = None if timeout is None else seconds(timeout, "timeout")
         refuse_inside_handler(self._executor, "stop()")
         left = time_left(limit)
         with self._lock:
             self._stopped.set()
-        _stop_each((self._listener, self._scheduler, self._poller), left)
-        drained = self._executor.drain(left())
-        # The drain waited for the finishes handed to the completer too: it has none left.
-        self._poller.completer.stop(left())
-        _stop_each((self._sweeper, self._pruner), left)
-        self._done.set()
+        try:
+            _stop_each((self._listener, self._scheduler, self._poller), left)
+            drained = self._executor.drain(left())
+            # The drain waited for the finishes handed to the completer too: none is left.
+            self._poller.completer.stop(left())
+            _stop_each((self._sweeper, self._pruner), left)
+        except BaseException:
+            self._stop_without_waiting()
+            raise
+        finally:
+            self._done.set()
         return drained
+
+    def _stop_without_waiting(self) -> None:
+        """Tell everything `stop()` stops to stop, and return at once."""
+        services = (self._listener, self._scheduler, self._poller, self._sweeper, self._pruner)
+        _stop_each(services, lambda: 0.0)
+        self._executor.drain(0.0)
+        self._poller.completer.stop(0.0)
 
 
 def _stop_each(services: Iterable[Service | None], left: Callable[[], float | None]) -> None:
