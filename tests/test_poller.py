@@ -158,3 +158,39 @@ def test_a_runnable_whose_poller_cannot_start_stops_what_it_started_and_says_so_
     finally:
         again.stop(timeout=10)
     assert runnable.stop(timeout=10) is True
+
+
+CLAIMS_SEEN = """
+CREATE TABLE claims_seen (at timestamptz NOT NULL DEFAULT clock_timestamp());
+CREATE FUNCTION claims_seen() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN INSERT INTO claims_seen DEFAULT VALUES; RETURN NULL; END $$;
+CREATE TRIGGER claims_seen AFTER UPDATE ON workflow_runs FOR EACH ROW
+WHEN (OLD.claim_id IS NULL AND NEW.claim_id IS NOT NULL) EXECUTE FUNCTION claims_seen();
+"""
+
+
+def test_a_run_no_thread_can_take_is_released_and_the_poller_backs_off(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: Any, logs: Any
+) -> None:
+    # A process out of threads: the poller claims a run, no thread can take it, so it
+    # releases it, and it waits before claiming again (0.5 s, doubling, up to the poll
+    # interval) rather than claiming the same run four times a second, woken each time
+    # by the release's own notification. Once a thread can start, the run is done.
+    logger, records = logs
+    db.execute(CLAIMS_SEEN)
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg, logger=logger)
+    [run] = start_each_in_its_own_transaction(db, wf, mgr, 1)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=5, concurrency=2))
+    threads_fail_to_start(monkeypatch, lambda t: t.name.startswith("workflow-worker"))
+    runnable.start()
+    try:
+        records.wait_for("no thread could take")
+        time.sleep(4)  # a window to count claims in (0 s, 0.5 s, 1.5 s, 3.5 s: four)
+        [(claims,)] = db.execute("SELECT count(*) FROM claims_seen").fetchall()
+        assert 1 <= claims <= 5, claims
+        assert run.status().status is Status.RUNNING  # released, not finished
+        monkeypatch.undo()
+        assert run.wait(timeout=20) is Status.SUCCEEDED
+    finally:
+        runnable.stop(timeout=10)

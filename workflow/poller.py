@@ -27,6 +27,10 @@ their oldest waiting runs and claims those; the two take turns going first, so
 neither kind of run waits behind a backlog of the other. When an execution of a
 keyed run ends here, the thread that ran it claims its key's next run (one
 index probe) and runs it in the same room.
+
+A run claimed when no thread can take it (the process is out of threads) is
+released at once, and the poller claims nothing more until one of its threads
+comes back from a run or a pause has passed (`NO_THREAD_PAUSE`, doubling).
 """
 
 from __future__ import annotations
@@ -46,6 +50,10 @@ DUE_REREAD = 1.0
 here (a wake-up from outside always reads it)."""
 OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
+NO_THREAD_PAUSE = 0.5
+"""Seconds the poller waits before claiming again after a run no thread could take (the
+process is out of threads): doubled after each such run, up to the poll interval; a
+thread of this poller coming back from a run ends the wait."""
 KEY_WALK_SHARE = 0.1
 """The most of a poller's time its claims of keys' waiting runs may take: each reads
 up to a window of keys with runs waiting, so after one that took t seconds (and
@@ -105,6 +113,10 @@ class Poller(Service):
         # `DUE_REREAD` seconds (a busy worker ends many executions a second).
         self._due_changed_here = False
         self._due_read_at = -float("inf")
+        # After a run no thread could take: no claim before this (monotonic), and the
+        # pause the next such run sets.
+        self._no_thread_until = -float("inf")
+        self._no_thread_pause = NO_THREAD_PAUSE
 
     def wake(self) -> None:
         """Poll at once, and read the next due time again (a run may have been added)."""
@@ -131,6 +143,7 @@ class Poller(Service):
             self._stopping.is_set()
             or self._executor.draining.is_set()
             or self._threads.closed  # interpreter exit: no thread would take a run
+            or time.monotonic() < self._no_thread_until
         ):
             return 0
         with self._lock:
@@ -173,7 +186,8 @@ class Poller(Service):
         while not self._stopping.is_set():
             limit = self._reserve(self._settings.batch_size)
             if limit <= 0:
-                self._sleep(self._settings.poll_interval)
+                no_thread = self._no_thread_until - time.monotonic()
+                self._sleep(self._settings.poll_interval if no_thread <= 0 else no_thread)
                 continue
             claimed: list[ClaimedRun] = []
             try:
@@ -271,9 +285,11 @@ class Poller(Service):
         executor.admit()
         try:
             self._threads.submit(self._execute, run)
-        except Exception:  # shut down (stop() gave up joining us), or no thread to start
+        except Exception as exc:  # shut down (stop() gave up joining us), or no thread
             executor.dismiss()
             self._free(1)
+            if not self._threads.closed:
+                self._pause_claims(run, exc)
             try:
                 executor.store.release_claim(run.id, run.claim_id)
             except Exception:
@@ -281,6 +297,18 @@ class Poller(Service):
                     "poller: releasing a run no thread will execute failed: the sweeper "
                     "will release it"
                 )
+
+    def _pause_claims(self, run: ClaimedRun, exc: Exception) -> None:
+        """No thread could take `run` (the process is out of threads): claim nothing more
+        for a while, rather than claim and release it again at once (`NO_THREAD_PAUSE`)."""
+        pause = self._no_thread_pause
+        self._no_thread_pause = min(2 * pause, self._settings.poll_interval)
+        self._no_thread_until = time.monotonic() + pause
+        self._executor.log.for_run(run.id).warning(
+            "poller: no thread could take the run (%s); it is released, and this worker "
+            "claims again in %gs or when one of its threads comes back from a run",
+            exc, pause,
+        )
 
     def _execute(self, run: ClaimedRun) -> None:
         self._handed.flag = False  # set by `_handed_over`, on this thread, for this run
@@ -295,6 +323,9 @@ class Poller(Service):
                 )
                 following = None if handed else self._next_of_key(following)
         finally:
+            # This thread is free for a run again: no need to wait for another to start.
+            self._no_thread_until = -float("inf")
+            self._no_thread_pause = NO_THREAD_PAUSE
             if getattr(self._handed, "flag", False):
                 # Its place was freed as it was handed over (even if an interrupt came
                 # after): the completer's claim fills it, or wakes this loop; a finish
