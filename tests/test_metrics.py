@@ -293,6 +293,20 @@ def test_a_bad_metrics_port_is_a_usage_error(port: str) -> None:
     assert "--metrics-port" in one_line(proc, 2)
 
 
+def test_a_metrics_server_whose_thread_cannot_start_is_one_line_and_exit_1(
+    db_url: str,
+) -> None:
+    from test_worker_cli import one_line, run_worker
+
+    proc = run_worker(
+        "--app", "tests.worker_apps.bad:no_thread_for_metrics", "--database-url", db_url,
+        "--metrics-port", "0",
+    )
+    line = one_line(proc, 1)
+    assert line.startswith("workflow: --metrics-port: cannot serve on 127.0.0.1:0: ")
+    assert "can't start new thread" in line
+
+
 def test_the_keda_query_the_stats_command_and_the_gauge_agree(
     make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:

@@ -290,14 +290,22 @@ def test_a_config_the_manager_refuses_is_one_line_and_exit_1(db_url: str) -> Non
     assert "sweep_max_age" in line
 
 
-@pytest.mark.parametrize("factory", ["no_thread_for_the_poller", "no_thread_for_the_heartbeat"])
-def test_a_thread_that_cannot_start_is_one_line_and_exit_1(db_url: str, factory: str) -> None:
+@pytest.mark.parametrize(
+    ("factory", "thread"),
+    [("no_thread_for_the_poller", "poller"), ("no_thread_for_the_heartbeat", "heartbeat")],
+)
+def test_a_thread_that_cannot_start_is_one_line_and_exit_1(
+    db_url: str, factory: str, thread: str
+) -> None:
     """A process out of threads (here: one thread refused by name) ends the worker with
     one line, not a traceback."""
     line = one_line(
         run_worker("--app", f"tests.worker_apps.bad:{factory}", "--database-url", db_url), 1
     )
-    assert line == "workflow: cannot start the worker: can't start new thread"
+    assert line == (
+        f"workflow: cannot start the worker: workflow-{thread}: can't start new thread "
+        "(is the process out of threads?)"
+    )
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P arrived in 3.11")
@@ -326,9 +334,19 @@ def test_handling_signals_off_the_main_thread_raises_and_leaves_no_descriptor_op
     from workflow import worker
 
     def open_fds() -> set[str]:
-        return set(os.listdir("/proc/self/fd"))
+        """The pipes this process has open (other tests' sockets come and go)."""
+        found = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                target = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:  # the listing's own descriptor, closed by now
+                continue
+            if target.startswith("pipe:"):
+                found.add(f"{fd} {target}")
+        return found
 
     before = open_fds()
+    handler = signal.getsignal(signal.SIGTERM)
     errors: list[BaseException] = []
 
     def install() -> None:
@@ -343,6 +361,5 @@ def test_handling_signals_off_the_main_thread_raises_and_leaves_no_descriptor_op
     thread.join()
     [error] = errors
     assert isinstance(error, ValueError) and "main thread" in str(error)
-    # The listing's own descriptor comes and goes; a pipe left open would stay.
     assert open_fds() - before == set()
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) is handler

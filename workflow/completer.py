@@ -50,6 +50,7 @@ from typing import Any, Protocol
 
 from workflow.logs import EngineLog
 from workflow.runthreads import wait_for_run_threads
+from workflow.service import start_thread
 from workflow.store import ClaimedRun, Store
 
 FLIGHTS = 2
@@ -144,7 +145,7 @@ class Completer:
             for _ in range(self._flights):
                 thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
                 try:
-                    thread.start()
+                    start_thread(thread)
                 except BaseException:
                     self._stopping = True
                     self._cond.notify_all()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from workflow.logs import EngineLog
+from workflow.service import start_thread
 
 _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 
@@ -63,7 +64,7 @@ class RunThreads:
                 )
                 # Started before it is counted or the job is queued: when the OS
                 # refuses a thread, this raises and nothing is left half-done.
-                thread.start()
+                start_thread(thread)
                 self._threads.append(thread)
             # else all are busy: the next one back takes the job.
             self._queue.put((fn, arg))

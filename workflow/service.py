@@ -4,6 +4,23 @@ from __future__ import annotations
 
 import threading
 
+from workflow.errors import WorkflowError
+
+
+class ThreadNotStarted(WorkflowError, RuntimeError):
+    """A thread of the library's could not start: the process is out of threads (or
+    memory for their stacks). A `RuntimeError`, as Python raises, and a `WorkflowError`."""
+
+
+def start_thread(thread: threading.Thread) -> None:
+    """`thread.start()`, raising `ThreadNotStarted` where Python raises RuntimeError."""
+    try:
+        thread.start()
+    except RuntimeError as exc:
+        raise ThreadNotStarted(
+            f"{thread.name}: {exc} (is the process out of threads?)"
+        ) from exc
+
 
 class Service:
     """A background duty on its own thread; subclasses implement `_loop`.
@@ -29,7 +46,14 @@ class Service:
             if self._thread is not None or self._stopping.is_set():
                 return
             thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
-            thread.start()
+            try:
+                start_thread(thread)
+            except BaseException:
+                # Not started, or started and then interrupted (Ctrl-C in start()'s wait
+                # for it): either way it is told to end, and never starts again.
+                self._stopping.set()
+                self._wake.set()
+                raise
             self._thread = thread
 
     def wake(self) -> None:

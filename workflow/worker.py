@@ -61,6 +61,7 @@ from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.errors import WorkflowError
 from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
+from workflow.service import ThreadNotStarted
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
 from workflow.store.connections import connect_explained, make_pool, one_line
 
@@ -387,10 +388,11 @@ class _Metrics:
             raise CommandFailed(f"workflow: --metrics-port: {exc}") from None
         try:
             self._server, _ = metrics.serve(self._instrumentation.registry, port, host)
-        except OSError as exc:
+        except (OSError, RuntimeError) as exc:  # RuntimeError: its thread cannot start
             self._instrumentation.close()
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
             raise CommandFailed(
-                f"workflow: --metrics-port: cannot serve on {host}:{port}: {exc.strerror or exc}"
+                f"workflow: --metrics-port: cannot serve on {host}:{port}: {reason}"
             ) from None
         bound_host, bound_port = self._server.server_address[:2]
         self.url = f"http://{bound_host}:{bound_port}/metrics"
@@ -431,8 +433,7 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
     try:
         pool.open(wait=True, timeout=30.0)
         manager = Manager(pool, app.registry, app.config, logger=app.logger)
-    except (psycopg.Error, WorkflowError, RuntimeError) as exc:
-        # RuntimeError: a thread that cannot start (the process is out of threads).
+    except (psycopg.Error, WorkflowError) as exc:  # a thread that cannot start included
         pool.close()
         raise _cannot_start(exc) from None
     log = EngineLog(manager.logger)
@@ -445,7 +446,7 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
         if signals.received is None:
             try:
                 runnable.start()
-            except RuntimeError as exc:  # a thread that cannot start; the rest stopped
+            except ThreadNotStarted as exc:  # what had started is stopped
                 raise _cannot_start(exc) from None
             log.info("worker started: %s", _describe(runner_config, app))
         name = signals.wait()

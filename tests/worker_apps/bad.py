@@ -27,15 +27,15 @@ def inconsistent_timeouts() -> workflow.App:
     return workflow.App(registry(), config=workflow.Config(sweep_max_age=3))
 
 
-def _refuse_threads(prefix: str) -> None:
-    """From now on, in this process, a thread whose name starts with `prefix` fails to
-    start as in a process out of threads (the real `Thread.start` raises the same)."""
+def _refuse_threads(part: str) -> None:
+    """From now on, in this process, a thread whose name holds `part` fails to start as
+    in a process out of threads (the real `Thread.start` raises the same)."""
     import threading
 
     real_start = threading.Thread.start
 
     def start(thread: threading.Thread) -> None:
-        if thread.name.startswith(prefix):
+        if part in thread.name:
             raise RuntimeError("can't start new thread")
         real_start(thread)
 
@@ -55,4 +55,13 @@ def no_thread_for_the_heartbeat() -> workflow.Registry:
     from .three_tasks import registry
 
     _refuse_threads("workflow-heartbeat")
+    return registry()
+
+
+def no_thread_for_metrics() -> workflow.Registry:
+    """`Three`, in a process where the metrics server's thread (prometheus_client's
+    `serve_forever`) cannot start."""
+    from .three_tasks import registry
+
+    _refuse_threads("serve_forever")
     return registry()
