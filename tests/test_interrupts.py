@@ -22,17 +22,22 @@ COMMON = textwrap.dedent(
     import os, signal, sys, threading, time
     import workflow
 
+    INTERRUPTS_THE_STOP, PATIENCE = {interrupts!r}, {patience!r}
+
     WF = workflow.Workflow("Interrupt.Hold", int)
     HOLD = workflow.Task("interrupt.hold", int)
+    entered = threading.Event()
     returned = threading.Event()
 
     def hold(run):
         print("inside", flush=True)
+        entered.set()
         run.cancelled.wait(60)
-        if MODE == "stop":
+        if INTERRUPTS_THE_STOP:
             # Interrupt the stop() that cancelled this handler, then keep it waiting.
             os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(2)
+            time.sleep(PATIENCE)  # then ignores the cancellation this long
+            print("handler returned", flush=True)
         returned.set()
         return 1
 
@@ -45,7 +50,16 @@ COMMON = textwrap.dedent(
     """
 )
 
-RUN_INTERRUPTED = COMMON.replace('MODE == "stop"', "False") + textwrap.dedent(
+
+
+def script(body: str, *, interrupts: bool = False, patience: float = 0.0) -> str:
+    """COMMON, its handler set up, then `body`. With `interrupts`, the handler sends the
+    process a SIGINT once cancelled (inside the stop() that cancelled it), then goes
+    on for `patience` seconds."""
+    return COMMON.format(interrupts=interrupts, patience=patience) + textwrap.dedent(body)
+
+
+RUN_INTERRUPTED = script(
     """
     try:
         runnable.run()
@@ -55,18 +69,59 @@ RUN_INTERRUPTED = COMMON.replace('MODE == "stop"', "False") + textwrap.dedent(
     """
 )
 
-STOP_INTERRUPTED = COMMON.replace('MODE == "stop"', "True") + textwrap.dedent(
+STOP_INTERRUPTED = script(
     """
     runner = threading.Thread(target=runnable.run, daemon=True)
     runner.start()
-    while not returned.is_set() and run.status().status.value == "pending":
-        time.sleep(0.05)
-    time.sleep(0.2)
+    entered.wait(60)
     try:
         runnable.stop()
     except KeyboardInterrupt:
         runner.join(10)
         print("stop interrupted; run() returned:", not runner.is_alive(), flush=True)
+    """,
+    interrupts=True,
+    patience=8,
+)
+
+SIGNAL_STOP_INTERRUPTED = script(
+    """
+    # A SIGTERM handler of the application's stops the runnable with a limit; the
+    # handler in flight ignores its cancellation, and a Ctrl-C comes during that stop.
+    signal.signal(signal.SIGTERM, lambda *_: runnable.stop(timeout=30))
+    try:
+        runnable.run()
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """,
+    interrupts=True,
+    patience=8,
+)
+
+STOP_INTERRUPTED_AT_THE_LOCK = script(
+    """
+    # Something holds the runnable's lock (a start() undoing a failure may, for 10 s)
+    # while stop() waits for it, and a Ctrl-C comes.
+    runnable.start()
+    entered.wait(60)
+    held = threading.Event()
+    release = threading.Event()
+
+    def hold_the_lock():
+        with runnable._lock:
+            held.set()
+            release.wait(60)
+
+    threading.Thread(target=hold_the_lock, daemon=True).start()
+    held.wait(60)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+        runnable.stop()
+    except KeyboardInterrupt:
+        returned.wait(60)  # the drain was begun: the handler saw its cancellation
+        print("handler cancelled:", returned.is_set(), flush=True)
+        print("stopped:", runnable._done.is_set(), flush=True)
+    release.set()
     """
 )
 
@@ -106,4 +161,34 @@ def test_an_interrupted_stop_still_lets_run_return(engine_url: str) -> None:
     finally:
         proc.kill()
     assert proc.returncode == 0, err
-    assert out.splitlines() == ["inside", "stop interrupted; run() returned: True"]
+    assert out.splitlines() == [
+        "inside", "stop interrupted; run() returned: True", "handler returned"
+    ]
+
+
+def test_a_ctrl_c_during_a_signal_handlers_stop_does_not_start_an_unbounded_drain(
+    engine_url: str,
+) -> None:
+    # The stop in the SIGTERM handler is cut short; run() then must not drain again,
+    # without a limit, behind the handler that ignores its cancellation: the
+    # KeyboardInterrupt reaches the application before that handler returns.
+    proc = _popen(SIGNAL_STOP_INTERRUPTED, engine_url)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "inside\n"
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["interrupted", "handler returned"]
+
+
+def test_a_stop_interrupted_while_it_waits_for_the_lock_still_stops(engine_url: str) -> None:
+    proc = _popen(STOP_INTERRUPTED_AT_THE_LOCK, engine_url)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    assert out.splitlines() == ["inside", "handler cancelled: True", "stopped: True"]

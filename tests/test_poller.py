@@ -194,3 +194,32 @@ def test_a_run_no_thread_can_take_is_released_and_the_poller_backs_off(
         assert run.wait(timeout=20) is Status.SUCCEEDED
     finally:
         runnable.stop(timeout=10)
+
+
+def test_run_from_inside_a_handler_is_refused(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    # It would wait for a stop() that waits for this very handler.
+    holder: list[workflow.Runnable] = []
+
+    def calls_run(run: workflow.TaskRun[Inp]) -> Out:
+        try:
+            holder[0].run()
+        except workflow.WorkflowError as exc:
+            return Out(str(exc))
+        return Out("run() returned")
+
+    reg, wf = registry(workflow.handle(A, calls_run))
+    mgr = make_manager(reg)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, listen=False))
+    holder.append(runnable)
+    [run] = start_each_in_its_own_transaction(db, wf, mgr, 1)
+    runnable.start()
+    try:
+        assert run.wait(timeout=10) is Status.SUCCEEDED
+    finally:
+        runnable.stop(timeout=5)
+    [(text,)] = db.execute(
+        "SELECT output->>'value' FROM workflow_tasks WHERE run_id = %s", (run.id,)
+    ).fetchall()
+    assert "run() was called from inside a handler" in text

@@ -144,15 +144,26 @@ class Runnable:
     def run(self) -> None:
         """Start, then block until `stop()` (from another thread or a signal) has drained.
 
-        Interrupted while it waits (Ctrl-C's `KeyboardInterrupt` in the main thread,
-        a signal handler's `SystemExit`), it drains as `stop()` does, then lets the
-        exception go on: a second Ctrl-C cuts that drain short.
+        Interrupted (Ctrl-C's `KeyboardInterrupt` in the main thread, a signal
+        handler's `SystemExit`), it drains as `stop()` does, then lets the exception
+        go on: a second Ctrl-C cuts that drain short. When a `stop()` had already
+        begun (a signal handler's, with its own timeout), it only tells what is left
+        to stop, without waiting. Raises `WorkflowError` from inside a handler this
+        manager executes (it would wait for a stop that waits for that handler).
         """
-        self.start()
+        refuse_inside_handler(self._executor, "run()")
+        started = False
         try:
+            self.start()
+            started = True
             self._done.wait()
-        except BaseException:
-            self.stop()
+        except BaseException as exc:
+            # A start() that failed has undone itself; an interrupt anywhere stops.
+            if started or not isinstance(exc, Exception):
+                if self._stopped.is_set():
+                    self._stop_without_waiting()
+                else:
+                    self.stop()
             raise
 
     def stop(self, timeout: Duration | None = None) -> bool:
@@ -169,9 +180,9 @@ class Runnable:
         limit = None if timeout is None else seconds(timeout, "timeout")
         refuse_inside_handler(self._executor, "stop()")
         left = time_left(limit)
-        with self._lock:
-            self._stopped.set()
         try:
+            with self._lock:  # a start() undoing a failure holds it for a while
+                self._stopped.set()
             _stop_each((self._listener, self._scheduler, self._poller), left)
             drained = self._executor.drain(left())
             # The drain waited for the finishes handed to the completer too: none is left.
