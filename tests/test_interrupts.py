@@ -126,42 +126,43 @@ STOP_INTERRUPTED_AT_THE_LOCK = script(
 )
 
 
-def _popen(script: str, url: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def lines_of(script: str, url: str, send: signal.Signals | None = None) -> list[str]:
+    """Run `script` (exit 0 expected) and return its stdout lines; with `send`, send that
+    signal once the handler is entered (its "inside" line, then not returned)."""
+    proc = subprocess.Popen(
         [sys.executable, "-c", script, url],
         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
+    try:
+        first: list[str] = []
+        if send is not None:
+            assert proc.stdout is not None
+            first.append(proc.stdout.readline().rstrip("\n"))
+            assert first == ["inside"]
+            proc.send_signal(send)
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err
+    return first + out.splitlines()
 
 
 def test_ctrl_c_in_run_drains_before_the_interrupt_goes_on(
     engine_url: str, db: psycopg.Connection[Any]
 ) -> None:
-    proc = _popen(RUN_INTERRUPTED, engine_url)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "inside\n"
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    assert out.splitlines() == ["interrupted; handler returned: True", "status: succeeded"]
+    assert lines_of(RUN_INTERRUPTED, engine_url, signal.SIGINT) == [
+        "inside", "interrupted; handler returned: True", "status: succeeded"
+    ]
     assert db.execute(
         "SELECT status, claim_id FROM workflow_runs WHERE workflow = 'Interrupt.Hold'"
     ).fetchall() == [("succeeded", None)]
 
 
 def test_an_interrupted_stop_still_lets_run_return(engine_url: str) -> None:
-    proc = _popen(STOP_INTERRUPTED, engine_url)
-    try:
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    assert out.splitlines() == [
+    assert lines_of(STOP_INTERRUPTED, engine_url) == [
         "inside", "stop interrupted; run() returned: True", "handler returned"
     ]
 
@@ -172,23 +173,12 @@ def test_a_ctrl_c_during_a_signal_handlers_stop_does_not_start_an_unbounded_drai
     # The stop in the SIGTERM handler is cut short; run() then must not drain again,
     # without a limit, behind the handler that ignores its cancellation: the
     # KeyboardInterrupt reaches the application before that handler returns.
-    proc = _popen(SIGNAL_STOP_INTERRUPTED, engine_url)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "inside\n"
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    assert out.splitlines() == ["interrupted", "handler returned"]
+    assert lines_of(SIGNAL_STOP_INTERRUPTED, engine_url, signal.SIGTERM) == [
+        "inside", "interrupted", "handler returned"
+    ]
 
 
 def test_a_stop_interrupted_while_it_waits_for_the_lock_still_stops(engine_url: str) -> None:
-    proc = _popen(STOP_INTERRUPTED_AT_THE_LOCK, engine_url)
-    try:
-        out, err = proc.communicate(timeout=90)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, err
-    assert out.splitlines() == ["inside", "handler cancelled: True", "stopped: True"]
+    assert lines_of(STOP_INTERRUPTED_AT_THE_LOCK, engine_url) == [
+        "inside", "handler cancelled: True", "stopped: True"
+    ]
