@@ -8,6 +8,7 @@ poll interval.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -22,6 +23,7 @@ from helpers import (
     registry,
     start_each_in_its_own_transaction,
     threads_fail_to_start,
+    wait_until,
 )
 
 import workflow
@@ -223,3 +225,68 @@ def test_run_from_inside_a_handler_is_refused(
         "SELECT output->>'value' FROM workflow_tasks WHERE run_id = %s", (run.id,)
     ).fetchall()
     assert "run() was called from inside a handler" in text
+
+
+def test_a_batch_no_thread_can_take_sets_one_pause_and_the_next_waits_it_out(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: Any, logs: Any
+) -> None:
+    # Four runs claimed together, none taken by a thread: one pause (0.5 s) and one
+    # warning for the batch, not four warnings and a pause doubled to 4 s; each later
+    # pause comes at least the previous one after it.
+    logger, records = logs
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg, logger=logger)
+    start_each_in_its_own_transaction(db, wf, mgr, 4)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=30, batch_size=4, concurrency=4)
+    )
+    threads_fail_to_start(monkeypatch, lambda t: t.name.startswith("workflow-worker"))
+    runnable.start()
+    try:
+        wait_until(lambda: len(warned(records)) >= 3, "three pauses", timeout=30)
+    finally:
+        runnable.stop(timeout=10)
+    pauses = warned(records)[:3]
+    assert [pause for _, pause in pauses] == [0.5, 1.0, 2.0]
+    for (at, pause), (later, _) in itertools.pairwise(pauses):
+        assert later - at >= pause - 0.05, pauses
+
+
+def warned(records: Any) -> list[tuple[float, float]]:
+    """(when, pause) of each "no thread could take" warning."""
+    found = []
+    for record in list(records.records):
+        text = record.getMessage()
+        if "no thread could take" in text:
+            found.append((record.created, float(text.split("claims again in ")[1].split("s")[0])))
+    return found
+
+
+def test_a_thread_coming_back_ends_the_pause_at_once(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: Any, logs: Any
+) -> None:
+    # One thread runs a long run; a second run finds no thread and pauses the claims
+    # for 20 s. The first run's end (its finish handed to the completer) frees that
+    # thread, and the second run is claimed and done well inside the pause.
+    monkeypatch.setattr("workflow.poller.NO_THREAD_PAUSE", 20.0)
+    logger, records = logs
+    go = threading.Event()
+    reg, wf = registry(workflow.handle(A, lambda run: go.wait(30) and Out("x")))
+    mgr = make_manager(reg, logger=logger)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=30, batch_size=1, concurrency=2)
+    )
+    [first] = start_each_in_its_own_transaction(db, wf, mgr, 1)
+    threads_fail_to_start(monkeypatch, lambda t: t.name == "workflow-worker_1")
+    runnable.start()
+    try:
+        wait_until(lambda: first.status().status is Status.RUNNING, "the first run")
+        with db.transaction():
+            second = wf.start_tx(db, mgr, Inp(2))
+        records.wait_for("no thread could take")
+        go.set()
+        assert first.wait(timeout=10) is Status.SUCCEEDED
+        assert second.wait(timeout=10) is Status.SUCCEEDED
+    finally:
+        go.set()
+        runnable.stop(timeout=10)

@@ -85,7 +85,9 @@ class Poller(Service):
         self._keys_first = False
         self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
         self._walk_pause = 0.0  # the pause after the last one (it grows while they find none)
-        self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
+        self._threads = RunThreads(
+            settings.concurrency, "workflow-worker", executor.log, on_idle=self._thread_back
+        )
         # This poller's runs claimed and not yet handed to the completer (executing, or
         # waiting for a thread), and the places reserved for claims being made, against
         # `concurrency`.
@@ -114,9 +116,9 @@ class Poller(Service):
         self._due_changed_here = False
         self._due_read_at = -float("inf")
         # After a run no thread could take: no claim before this (monotonic), and the
-        # pause the next such run sets.
+        # pause the next such run sets (both under `_lock`).
         self._no_thread_until = -float("inf")
-        self._no_thread_pause = NO_THREAD_PAUSE
+        self._no_thread_pause = self._first_pause()
 
     def wake(self) -> None:
         """Poll at once, and read the next due time again (a run may have been added)."""
@@ -143,7 +145,7 @@ class Poller(Service):
             self._stopping.is_set()
             or self._executor.draining.is_set()
             or self._threads.closed  # interpreter exit: no thread would take a run
-            or time.monotonic() < self._no_thread_until
+            or self._pause_left() > 0
         ):
             return 0
         with self._lock:
@@ -184,10 +186,14 @@ class Poller(Service):
         executor = self._executor
         failures = 0
         while not self._stopping.is_set():
+            pause = self._pause_left()
+            if pause > 0:
+                self._sleep(pause)
+                continue
             limit = self._reserve(self._settings.batch_size)
             if limit <= 0:
-                no_thread = self._no_thread_until - time.monotonic()
-                self._sleep(self._settings.poll_interval if no_thread <= 0 else no_thread)
+                pause = self._pause_left()  # one may have begun since (a completer's run)
+                self._sleep(pause if pause > 0 else self._settings.poll_interval)
                 continue
             claimed: list[ClaimedRun] = []
             try:
@@ -287,9 +293,9 @@ class Poller(Service):
             self._threads.submit(self._execute, run)
         except Exception as exc:  # shut down (stop() gave up joining us), or no thread
             executor.dismiss()
-            self._free(1)
             if not self._threads.closed:
-                self._pause_claims(run, exc)
+                self._pause_claims(run, exc)  # before the place is free for another claim
+            self._free(1)
             try:
                 executor.store.release_claim(run.id, run.claim_id)
             except Exception:
@@ -298,17 +304,40 @@ class Poller(Service):
                     "will release it"
                 )
 
+    def _first_pause(self) -> float:
+        return min(NO_THREAD_PAUSE, self._settings.poll_interval)
+
+    def _pause_left(self) -> float:
+        """Seconds left of the pause after a run no thread could take (0: none)."""
+        return max(self._no_thread_until - time.monotonic(), 0.0)
+
     def _pause_claims(self, run: ClaimedRun, exc: Exception) -> None:
         """No thread could take `run` (the process is out of threads): claim nothing more
-        for a while, rather than claim and release it again at once (`NO_THREAD_PAUSE`)."""
-        pause = self._no_thread_pause
-        self._no_thread_pause = min(2 * pause, self._settings.poll_interval)
-        self._no_thread_until = time.monotonic() + pause
+        for a while, rather than claim and release it again at once (`NO_THREAD_PAUSE`,
+        doubling up to the poll interval). The other runs of the same claim fall in the
+        same pause: one pause, and one warning, per claim."""
+        with self._lock:
+            now = time.monotonic()
+            if now < self._no_thread_until:
+                return
+            pause = self._no_thread_pause
+            self._no_thread_pause = min(2 * pause, self._settings.poll_interval)
+            self._no_thread_until = now + pause
         self._executor.log.for_run(run.id).warning(
             "poller: no thread could take the run (%s); it is released, and this worker "
             "claims again in %gs or when one of its threads comes back from a run",
             exc, pause,
         )
+
+    def _thread_back(self) -> None:
+        """A thread of this poller is back from a run and can take another (`RunThreads`
+        calls it): a pause for want of threads ends, and the loop claims at once."""
+        if self._no_thread_until == -float("inf"):
+            return
+        with self._lock:
+            self._no_thread_until = -float("inf")
+            self._no_thread_pause = self._first_pause()
+        self._wake.set()
 
     def _execute(self, run: ClaimedRun) -> None:
         self._handed.flag = False  # set by `_handed_over`, on this thread, for this run
@@ -323,9 +352,6 @@ class Poller(Service):
                 )
                 following = None if handed else self._next_of_key(following)
         finally:
-            # This thread is free for a run again: no need to wait for another to start.
-            self._no_thread_until = -float("inf")
-            self._no_thread_pause = NO_THREAD_PAUSE
             if getattr(self._handed, "flag", False):
                 # Its place was freed as it was handed over (even if an interrupt came
                 # after): the completer's claim fills it, or wakes this loop; a finish

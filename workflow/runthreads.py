@@ -32,7 +32,9 @@ _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 class RunThreads:
     """Up to `size` threads, started on demand, running submitted calls in order."""
 
-    def __init__(self, size: int, name: str, log: EngineLog) -> None:
+    def __init__(
+        self, size: int, name: str, log: EngineLog, on_idle: Callable[[], None] | None = None
+    ) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = (
             queue.SimpleQueue()
         )
@@ -43,6 +45,7 @@ class RunThreads:
         self._idle = 0  # threads back from a job and not yet handed another
         self._lock = threading.Lock()
         self._closed = False
+        self._on_idle = on_idle  # called by a thread back from a job, once it can take one
         _live.add(self)
 
     def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
@@ -83,6 +86,11 @@ class RunThreads:
             del item, fn, arg
             with self._lock:
                 self._idle += 1
+            if self._on_idle is not None:
+                try:
+                    self._on_idle()
+                except BaseException:
+                    self._log.exception("a run thread's idle callback raised")
 
     @property
     def closed(self) -> bool:
