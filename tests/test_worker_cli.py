@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 from pgbouncer import ENABLED as PGBOUNCER
@@ -363,3 +364,31 @@ def test_handling_signals_off_the_main_thread_raises_and_leaves_no_descriptor_op
     assert isinstance(error, ValueError) and "main thread" in str(error)
     assert open_fds() - before == set()
     assert signal.getsignal(signal.SIGTERM) is handler
+
+
+def test_an_uninstall_cut_short_leaves_no_wakeup_fd_pointing_at_a_closed_pipe(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A second Ctrl-C while the handlers are put back: the wake-up fd Python writes
+    # every signal to must be the previous one again before the pipe is closed, or a
+    # later signal writes into whatever reuses that descriptor number.
+    from workflow import worker
+
+    before = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(before)
+    signals = worker.Signals()
+    signals.install()
+    real_signal = signal.signal
+
+    def interrupted(signum: int, handler: Any) -> Any:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(signal, "signal", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        signals.uninstall()
+    monkeypatch.undo()
+    try:
+        assert signal.set_wakeup_fd(before) == before
+    finally:
+        for signum, handler in signals._previous.items():
+            real_signal(signum, handler)

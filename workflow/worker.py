@@ -301,13 +301,15 @@ class Signals:
         if not self._installed:
             return
         self._installed = False
+        if self._wakeup_set:
+            # First: Python writes every signal to this fd, so the pipe is closed only
+            # once it no longer does (a signal meanwhile still runs our handler).
+            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            self._wakeup_set = False
         try:
             for signum, handler in self._previous.items():
                 signal.signal(signum, handler)
             self._previous.clear()
-            if self._wakeup_set:
-                signal.set_wakeup_fd(self._previous_wakeup_fd)
-                self._wakeup_set = False
         finally:
             os.close(self._read_fd)
             os.close(self._write_fd)
