@@ -26,7 +26,7 @@ import workflow
 
 KEYED = "tests.worker_apps.keyed:registry"
 THREE = "tests.worker_apps.keyed:three"
-QUICK_SWEEP = "tests.worker_apps.keyed:quick_sweep_app"
+STALE_BY_HAND = "tests.worker_apps.keyed:stale_by_hand_app"
 
 Spawn = Callable[..., WorkerProcess]
 
@@ -140,17 +140,17 @@ def test_a_killed_workers_key_is_held_until_the_sweep_then_its_run_goes_first(
     key_ledger: psycopg.Connection[Any], spawn: Spawn, make_manager: Any, pool: Any
 ) -> None:
     fast = ("--sweep-interval", "0.5", "--poll-interval", "1")
-    a = spawn(QUICK_SWEEP, *fast)
+    a = spawn(STALE_BY_HAND, *fast)
     a.wait_started()
     mgr = make_manager(keyed.registry())
     with pool.connection() as conn, conn.transaction():
-        first = keyed.Transfer.start_tx(conn, mgr, keyed.Move("acct", 0, hold=1.8))
+        first = keyed.Transfer.start_tx(conn, mgr, keyed.Move("acct", 0, hold=20))
     poll(key_ledger, "SELECT count(*) = 1 FROM key_ledger", (), timeout=20, what="run 0 to start")
     with pool.connection() as conn, conn.transaction():
         later = [keyed.Transfer.start_tx(conn, mgr, keyed.Move("acct", n)) for n in (1, 2)]
         other = keyed.Transfer.start_tx(conn, mgr, keyed.Move("other", 0))
     a.kill()
-    b = spawn(QUICK_SWEEP, *fast)
+    b = spawn(STALE_BY_HAND, *fast)
     b.wait_started()
     # Another key is not held up by the dead worker's.
     wait_until(lambda: other.status().status is workflow.Status.SUCCEEDED, "the other key")

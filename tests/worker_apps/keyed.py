@@ -104,12 +104,16 @@ def three() -> workflow.Registry:
     return registry(3)
 
 
-QUICK_SWEEP = workflow.Config(sweep_max_age=60, default_task_timeout=2, max_in_process_backoff=0.5)
+STALE_BY_HAND = workflow.Config(
+    sweep_max_age=60, default_task_timeout=30, max_in_process_backoff=0.5
+)
 """A killed worker's claim is stale after 60 s, which no test waits for: the test ages the
 dead claim's heartbeat itself (`UPDATE ... heartbeat_at`) once it has seen the key held, so
 the order of "another key runs" and "the sweep comes" never rests on a machine's speed (at
-3 s, then 6 s, a newcomer's embedded-server pass saw the sweep come first)."""
+3 s, then 6 s, a newcomer's embedded-server pass saw the sweep come first). An attempt may
+last 30 s, so a first attempt told to hold 20 s is still inside when the worker is killed,
+however slow the machine."""
 
 
-def quick_sweep_app() -> workflow.App:
-    return workflow.App(registry(), config=QUICK_SWEEP)
+def stale_by_hand_app() -> workflow.App:
+    return workflow.App(registry(), config=STALE_BY_HAND)
