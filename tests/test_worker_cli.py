@@ -293,7 +293,11 @@ def test_a_config_the_manager_refuses_is_one_line_and_exit_1(db_url: str) -> Non
 
 @pytest.mark.parametrize(
     ("factory", "thread"),
-    [("no_thread_for_the_poller", "poller"), ("no_thread_for_the_heartbeat", "heartbeat")],
+    [
+        ("no_thread_for_the_poller", "workflow-poller"),
+        ("no_thread_for_the_heartbeat", "workflow-heartbeat"),
+        ("no_thread_for_the_pool", "the connection pool"),
+    ],
 )
 def test_a_thread_that_cannot_start_is_one_line_and_exit_1(
     db_url: str, factory: str, thread: str
@@ -304,7 +308,7 @@ def test_a_thread_that_cannot_start_is_one_line_and_exit_1(
         run_worker("--app", f"tests.worker_apps.bad:{factory}", "--database-url", db_url), 1
     )
     assert line == (
-        f"workflow: cannot start the worker: workflow-{thread}: can't start new thread "
+        f"workflow: cannot start the worker: {thread}: can't start new thread "
         "(is the process out of threads?)"
     )
 

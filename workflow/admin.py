@@ -40,7 +40,7 @@ from workflow.store import (
     WorkflowStats,
     check_schema,
 )
-from workflow.store.connections import connect_explained, make_pool, normalize_url
+from workflow.store.connections import connect_explained, make_pool, normalize_url, open_pool
 from workflow.waiting import read_status, run_status
 
 __all__ = [
@@ -284,7 +284,7 @@ class Admin:
             with connect_explained(url) as conn:
                 check_schema(conn)
             self._pool: ConnectionPool[Any] = make_pool(url, max_size=2, name="workflow-admin")
-            self._pool.open(wait=True, timeout=30.0)
+            open_pool(self._pool, 30.0)
             self._owns_pool = True
         elif isinstance(db, ConnectionPool):
             self._pool = db

@@ -45,7 +45,7 @@ from psycopg_pool import ConnectionPool
 
 import workflow
 from workflow.store import migrate, schema_version
-from workflow.store.connections import connect, make_pool, normalize_url
+from workflow.store.connections import connect, make_pool, normalize_url, open_pool
 from workflow.store.migrate import create_database, drop_database
 
 URL_ENV = "WORKFLOW_DATABASE_URL"
@@ -438,7 +438,7 @@ def run_demo(database_url: str | None = None) -> int:
             done = f"applied {', '.join(applied)}, now" if applied else "already"
             _print(f"schema: {done} at version {version}")
             pool = make_pool(conninfo, max_size=4, name="workflow-demo")
-            pool.open(wait=True, timeout=DEADLINE)
+            open_pool(pool, DEADLINE)
             try:
                 with workflow.Manager(pool, registry(), logger=_narrating_logger()) as mgr:
                     story = _Story(conninfo, mgr, pool)

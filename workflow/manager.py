@@ -34,7 +34,7 @@ from workflow.run import Run, RunStatus, Status
 from workflow.sealing import open_document
 from workflow.starting import Starter
 from workflow.store import Store, check_schema, current_database
-from workflow.store.connections import connect_explained, make_pool, normalize_url
+from workflow.store.connections import connect_explained, make_pool, normalize_url, open_pool
 from workflow.waiting import Endings, read_status, run_status, wait
 
 if TYPE_CHECKING:
@@ -119,7 +119,7 @@ class Manager:
                 self._pool: ConnectionPool[Any] = make_pool(url, max_size=settings.pool_size)
                 self._owns_pool = True
                 owned = self._pool
-                self._pool.open(wait=True, timeout=30.0)
+                open_pool(self._pool, 30.0)
                 self._store = Store(self._pool, self._logger, keep_warm=True)
             elif isinstance(db, ConnectionPool):
                 self._pool = db

@@ -63,7 +63,7 @@ from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
 from workflow.service import ThreadNotStarted
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
-from workflow.store.connections import connect_explained, make_pool, one_line
+from workflow.store.connections import connect_explained, make_pool, one_line, open_pool
 
 __all__ = [
     "CommandFailed",
@@ -433,7 +433,7 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
         url, max_size=Settings.of(config).pool_size, prepared=bool(options.listen)
     )
     try:
-        pool.open(wait=True, timeout=30.0)
+        open_pool(pool, 30.0)
         manager = Manager(pool, app.registry, app.config, logger=app.logger)
     except (psycopg.Error, WorkflowError) as exc:  # a thread that cannot start included
         pool.close()

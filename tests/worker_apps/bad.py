@@ -65,3 +65,12 @@ def no_thread_for_metrics() -> workflow.Registry:
 
     _refuse_threads("serve_forever")
     return registry()
+
+
+def no_thread_for_the_pool() -> workflow.Registry:
+    """`Three`, in a process where the connection pool's threads cannot start (psycopg_pool
+    names them after the pool: `workflow-scheduler`, `workflow-worker-0`...)."""
+    from .three_tasks import registry
+
+    _refuse_threads("workflow-worker-")
+    return registry()

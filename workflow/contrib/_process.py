@@ -28,7 +28,7 @@ from workflow.config import Config, Settings
 from workflow.durations import Duration, seconds
 from workflow.errors import WorkflowError
 from workflow.manager import Manager
-from workflow.store.connections import make_pool
+from workflow.store.connections import make_pool, open_pool
 
 OPEN_TIMEOUT = 10.0
 """Seconds to wait for the pool's first connection before giving up."""
@@ -143,7 +143,7 @@ class ProcessManager:
         pool = make_pool(self._conninfo(), **options)
         try:
             try:
-                pool.open(wait=True, timeout=OPEN_TIMEOUT)
+                open_pool(pool, OPEN_TIMEOUT)
             except PoolTimeout as exc:
                 raise WorkflowError(
                     f"workflow: {self._name}: no connection to the database within "

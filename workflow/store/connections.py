@@ -31,6 +31,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
+from workflow.service import ThreadNotStarted
 
 CONNECT_TIMEOUT = 10
 """Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
@@ -116,6 +117,18 @@ def make_pool(
     settings.update(options)
     settings["open"] = False
     return ConnectionPool(normalize_url(conninfo), kwargs=connection, **settings)
+
+
+def open_pool(pool: ConnectionPool[Any], timeout: float) -> None:
+    """`pool.open(wait=True, timeout=timeout)`; `ThreadNotStarted` (a `WorkflowError`, still
+    a `RuntimeError`) where the pool's own threads cannot start."""
+    try:
+        pool.open(wait=True, timeout=timeout)
+    except RuntimeError as exc:  # psycopg_pool starts its scheduler and workers
+        pool.close()  # the threads that did start
+        raise ThreadNotStarted(
+            f"the connection pool: {exc} (is the process out of threads?)"
+        ) from exc
 
 
 def connection_lost(e: Exception) -> bool:
