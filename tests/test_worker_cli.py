@@ -396,3 +396,27 @@ def test_an_uninstall_cut_short_leaves_no_wakeup_fd_pointing_at_a_closed_pipe(
     finally:
         for signum, handler in signals._previous.items():
             real_signal(signum, handler)
+
+
+def test_uninstall_after_the_previous_wakeup_fd_was_closed_still_closes_its_pipe() -> None:
+    # Another library's wake-up fd, closed while the worker ran: putting it back fails,
+    # and the uninstall must still leave no handler of ours and no pipe of ours open.
+    from workflow import worker
+
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    before = signal.set_wakeup_fd(write_fd)
+    handler = signal.getsignal(signal.SIGTERM)
+    signals = worker.Signals()
+    signals.install()
+    ours = {signals._read_fd, signals._write_fd}
+    os.close(read_fd)
+    os.close(write_fd)
+    try:
+        signals.uninstall()
+        assert signal.getsignal(signal.SIGTERM) is handler
+        for fd in ours:
+            with pytest.raises(OSError):
+                os.fstat(fd)
+    finally:
+        signal.set_wakeup_fd(before)

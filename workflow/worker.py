@@ -304,7 +304,10 @@ class Signals:
         if self._wakeup_set:
             # First: Python writes every signal to this fd, so the pipe is closed only
             # once it no longer does (a signal meanwhile still runs our handler).
-            signal.set_wakeup_fd(self._previous_wakeup_fd)
+            try:
+                signal.set_wakeup_fd(self._previous_wakeup_fd)
+            except (OSError, ValueError):  # the previous one was closed meanwhile
+                signal.set_wakeup_fd(-1)
             self._wakeup_set = False
         try:
             for signum, handler in self._previous.items():
