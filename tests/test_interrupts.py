@@ -22,7 +22,7 @@ COMMON = textwrap.dedent(
     import os, signal, sys, threading, time
     import workflow
 
-    INTERRUPTS_THE_STOP, PATIENCE = {interrupts!r}, {patience!r}
+    INTERRUPTS_THE_STOP, PATIENCE, SIGNALS_ITS_THREAD = {interrupts!r}, {patience!r}, {own!r}
 
     WF = workflow.Workflow("Interrupt.Hold", int)
     HOLD = workflow.Task("interrupt.hold", int)
@@ -32,6 +32,9 @@ COMMON = textwrap.dedent(
     def hold(run):
         print("inside", flush=True)
         entered.set()
+        if SIGNALS_ITS_THREAD:
+            # A Ctrl-C the kernel hands to this thread, not to the main one (its choice).
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
         run.cancelled.wait(60)
         if INTERRUPTS_THE_STOP:
             # Interrupt the stop() that cancelled this handler, then keep it waiting.
@@ -52,11 +55,15 @@ COMMON = textwrap.dedent(
 
 
 
-def script(body: str, *, interrupts: bool = False, patience: float = 0.0) -> str:
+def script(
+    body: str, *, interrupts: bool = False, patience: float = 0.0, own: bool = False
+) -> str:
     """COMMON, its handler set up, then `body`. With `interrupts`, the handler sends the
     process a SIGINT once cancelled (inside the stop() that cancelled it), then goes
-    on for `patience` seconds."""
-    return COMMON.format(interrupts=interrupts, patience=patience) + textwrap.dedent(body)
+    on for `patience` seconds; with `own`, it sends its own thread one on entering."""
+    return COMMON.format(interrupts=interrupts, patience=patience, own=own) + textwrap.dedent(
+        body
+    )
 
 
 RUN_INTERRUPTED = script(
@@ -67,6 +74,16 @@ RUN_INTERRUPTED = script(
         print("interrupted; handler returned:", returned.is_set(), flush=True)
         print("status:", run.status().status.value, flush=True)
     """
+)
+
+RUN_INTERRUPTED_THROUGH_ANOTHER_THREAD = script(
+    """
+    try:
+        runnable.run()
+    except KeyboardInterrupt:
+        print("interrupted; handler returned:", returned.is_set(), flush=True)
+    """,
+    own=True,
 )
 
 STOP_INTERRUPTED = script(
@@ -114,8 +131,26 @@ STOP_INTERRUPTED_AT_THE_LOCK = script(
 
     threading.Thread(target=hold_the_lock, daemon=True).start()
     held.wait(60)
+
+    class Announcing:  # the runnable's lock, saying when stop() comes to take it
+        def __init__(self, lock):
+            self.lock, self.wanted = lock, threading.Event()
+
+        def __enter__(self):
+            self.wanted.set()
+            return self.lock.__enter__()
+
+        def __exit__(self, *exc):
+            return self.lock.__exit__(*exc)
+
+    runnable._lock = Announcing(runnable._lock)
+
+    def ctrl_c_once_stop_waits():
+        runnable._lock.wanted.wait(60)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_once_stop_waits, daemon=True).start()
     try:
-        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
         runnable.stop()
     except KeyboardInterrupt:
         returned.wait(60)  # the drain was begun: the handler saw its cancellation
@@ -159,6 +194,14 @@ def test_ctrl_c_in_run_drains_before_the_interrupt_goes_on(
     assert db.execute(
         "SELECT status, claim_id FROM workflow_runs WHERE workflow = 'Interrupt.Hold'"
     ).fetchall() == [("succeeded", None)]
+
+
+def test_a_ctrl_c_delivered_to_another_thread_still_reaches_run(engine_url: str) -> None:
+    # The main thread, blocked in run(), runs Python at least once a second, so the
+    # KeyboardInterrupt Python owes it is raised there.
+    assert lines_of(RUN_INTERRUPTED_THROUGH_ANOTHER_THREAD, engine_url) == [
+        "inside", "interrupted; handler returned: True"
+    ]
 
 
 def test_an_interrupted_stop_still_lets_run_return(engine_url: str) -> None:

@@ -305,3 +305,31 @@ def test_a_thread_coming_back_ends_the_pause_at_once(
         "SELECT output->>'value' FROM workflow_tasks ORDER BY finished_at"
     ).fetchall()
     assert threads == [("workflow-worker_0",), ("workflow-worker_0",)]
+
+
+def test_stop_called_on_the_thread_inside_start_returns(
+    make_manager: Any, monkeypatch: Any
+) -> None:
+    # What a signal handler calling stop() does when the signal lands while the main
+    # thread is inside start(), holding the runnable's lock and a service's: stop()
+    # runs on that same thread. It must not wait for itself.
+    import workflow.service
+
+    reg, _ = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, listen=False))
+    real_start_thread = workflow.service.start_thread
+    stopped: list[bool] = []
+
+    def start_thread(thread: threading.Thread) -> None:
+        if thread.name == "workflow-sweeper" and not stopped:
+            stopped.append(runnable.stop(timeout=5))
+        real_start_thread(thread)
+
+    monkeypatch.setattr(workflow.service, "start_thread", start_thread)
+    starter = threading.Thread(target=runnable.start, daemon=True)
+    starter.start()
+    starter.join(15)
+    assert not starter.is_alive(), "start() waits for the stop() it is running"
+    assert stopped == [True]
+    runnable.run()  # returns at once: stopped

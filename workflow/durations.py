@@ -53,3 +53,24 @@ def time_left(limit: float | None) -> Callable[[], float | None]:
         return lambda: None
     deadline = time.monotonic() + limit
     return lambda: max(0.0, deadline - time.monotonic())
+
+
+SIGNAL_SLICE = 1.0
+"""The longest a wait that a person may interrupt blocks at a time (`wait_in_slices`)."""
+
+
+def wait_in_slices(wait: Callable[[float], bool], limit: float | None) -> bool:
+    """`wait(limit)` (a `Event.wait` or `Condition.wait_for` shape: True once what it waits
+    for holds) in slices of at most `SIGNAL_SLICE` seconds; None waits without limit.
+
+    A signal interrupts a blocked wait only when the kernel delivers it to the waiting
+    thread; delivered to another thread of the process (its choice, for a Ctrl-C), the
+    main thread runs its Python handler only once it next runs Python. Slices bound that
+    to a second."""
+    left = time_left(limit)
+    while True:
+        remaining = left()
+        if remaining is not None and remaining <= 0:
+            return wait(0.0)
+        if wait(SIGNAL_SLICE if remaining is None else min(SIGNAL_SLICE, remaining)):
+            return True

@@ -43,6 +43,7 @@ from workflow import codec
 from workflow.completer import Completer
 from workflow.config import Settings
 from workflow.definition import Registry, Step, Task
+from workflow.durations import wait_in_slices
 from workflow.errors import (
     DecodeError,
     EncodeError,
@@ -232,7 +233,10 @@ class Executor:
         with self._idle:
             self._draining_waiters += 1
             try:
-                return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+                return wait_in_slices(
+                    lambda slice_: self._idle.wait_for(lambda: self._in_flight == 0, slice_),
+                    timeout,
+                )
             finally:
                 self._draining_waiters -= 1
 
@@ -240,7 +244,7 @@ class Executor:
 def refuse_inside_handler(executor: Executor, what: str) -> None:
     """`WorkflowError` when the calling thread is inside a handler `executor` executes.
 
-    For the calls that wait for every execution to end (`close()`, `stop()`):
+    For the calls that wait for every execution to end (`close()`, `stop()`, `run()`):
     from inside a handler they would wait for themselves.
     """
     if executor.executing_here() is not None:

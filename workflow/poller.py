@@ -51,9 +51,10 @@ here (a wake-up from outside always reads it)."""
 OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
 NO_THREAD_PAUSE = 0.5
-"""Seconds the poller waits before claiming again after a run no thread could take (the
-process is out of threads): doubled after each such run, up to the poll interval; a
-thread of this poller coming back from a run ends the wait."""
+"""Seconds the poller waits before claiming again after a claim whose runs no thread could
+take (the process is out of threads), at most the poll interval: doubled after each such
+claim, up to the poll interval; a thread of this poller coming back from a run ends the
+wait."""
 KEY_WALK_SHARE = 0.1
 """The most of a poller's time its claims of keys' waiting runs may take: each reads
 up to a window of keys with runs waiting, so after one that took t seconds (and

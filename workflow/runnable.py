@@ -8,7 +8,8 @@ failure caused by the shutdown is not counted) and releases its claim for
 immediate re-claim, and the finishes handed to the poller's completer are
 written; then the completer, the sweeper and the pruner stop. One deadline bounds the
 whole stop. A stop interrupted part-way (Ctrl-C) tells what is left to stop without
-waiting; a Ctrl-C that ends `run()` drains first.
+waiting; a Ctrl-C that ends `run()` drains first, unless a stop had already begun.
+`stop()` may be called from a signal handler, even one that lands inside `start()`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from workflow.config import RunnerSettings
-from workflow.durations import Duration, seconds, time_left
+from workflow.durations import Duration, seconds, time_left, wait_in_slices
 from workflow.errors import WorkflowError
 from workflow.executor import Executor, refuse_inside_handler
 from workflow.listener import Listener
@@ -85,7 +86,9 @@ class Runnable:
         self._done = threading.Event()  # stop() has drained: run() returns
         self._started = False
         self._failed: BaseException | None = None  # what a start() that failed raised
-        self._lock = threading.Lock()
+        # Reentrant: a signal handler calling stop() runs on the thread that may be
+        # inside start() holding it.
+        self._lock = threading.RLock()
 
     @property
     def sweeper(self) -> Sweeper | None:
@@ -109,7 +112,8 @@ class Runnable:
         nothing after `stop()`. Raises `WorkflowError` when the manager is closed
         or was built before a `fork()`. When a service's thread cannot start (the
         process is out of threads, say), the services already started are stopped
-        and the error is raised; from then on `start()` and `run()` raise
+        and a `WorkflowError` that is also a `RuntimeError`, as Python raises, names
+        the thread; from then on `start()` and `run()` raise
         `WorkflowError` (make another runnable). The manager is left as it was.
         """
         self._check()
@@ -156,7 +160,7 @@ class Runnable:
         try:
             self.start()
             started = True
-            self._done.wait()
+            wait_in_slices(self._done.wait, None)  # a Ctrl-C meant for it gets through
         except BaseException as exc:
             # A start() that failed has undone itself; an interrupt anywhere stops.
             if started or not isinstance(exc, Exception):

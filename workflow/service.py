@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 from workflow.errors import WorkflowError
@@ -29,7 +30,8 @@ class Service:
     and `wake()` cut any wait short. `start()` and `stop()` may be called from
     any thread, in any order, any number of times: the thread is created,
     started and published under one lock (so a `stop()` never finds a thread it
-    cannot join yet), and a service once stopped never starts.
+    cannot join yet), and a service once stopped never starts. A `stop()` on the
+    thread inside `start()` (a signal handler's) does not wait for itself.
     """
 
     name = "workflow-service"
@@ -38,11 +40,13 @@ class Service:
         self._stopping = threading.Event()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
+        # Its own name (subclasses have a `_lock` of theirs); reentrant: a signal
+        # handler's stop() may come on the thread inside start().
+        self._service_lock = threading.RLock()
 
     def start(self) -> None:
         """Start the thread, once; does nothing after `stop()`."""
-        with self._lock:
+        with self._service_lock:
             if self._thread is not None or self._stopping.is_set():
                 return
             thread = threading.Thread(target=self._loop, name=self.name, daemon=True)
@@ -50,9 +54,12 @@ class Service:
                 start_thread(thread)
             except BaseException:
                 # Not started, or started and then interrupted (Ctrl-C in start()'s wait
-                # for it): either way it is told to end, and never starts again.
+                # for it): either way it is told to end, and never starts again; one
+                # that runs is kept for stop() to join.
                 self._stopping.set()
                 self._wake.set()
+                if thread.ident is not None:
+                    self._thread = thread
                 raise
             self._thread = thread
 
@@ -62,12 +69,13 @@ class Service:
 
     def stop(self, timeout: float | None = None) -> None:
         """Ask the loop to end and wait for the thread (up to `timeout`)."""
-        with self._lock:
+        with self._service_lock:
             self._stopping.set()
             thread = self._thread
         self._wake.set()
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
+            with contextlib.suppress(RuntimeError):  # an interrupted start: not started yet
+                thread.join(timeout)
 
     def _sleep(self, seconds: float) -> None:
         self._wake.wait(max(0.0, seconds))
