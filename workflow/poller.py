@@ -310,7 +310,10 @@ class Poller(Service):
 
     def _pause_left(self) -> float:
         """Seconds left of the pause after a run no thread could take (0: none)."""
-        return max(self._no_thread_until - time.monotonic(), 0.0)
+        until = self._no_thread_until
+        if until == -float("inf"):  # the usual case: no clock read on the claim path
+            return 0.0
+        return max(until - time.monotonic(), 0.0)
 
     def _pause_claims(self, run: ClaimedRun, exc: Exception) -> None:
         """No thread could take `run` (the process is out of threads): claim nothing more

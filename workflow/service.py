@@ -12,15 +12,16 @@ class ThreadNotStarted(WorkflowError, RuntimeError):
     """A thread of the library's could not start: the process is out of threads (or
     memory for their stacks). A `RuntimeError`, as Python raises, and a `WorkflowError`."""
 
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {cause} (is the process out of threads?)")
+
 
 def start_thread(thread: threading.Thread) -> None:
     """`thread.start()`, raising `ThreadNotStarted` where Python raises RuntimeError."""
     try:
         thread.start()
     except RuntimeError as exc:
-        raise ThreadNotStarted(
-            f"{thread.name}: {exc} (is the process out of threads?)"
-        ) from exc
+        raise ThreadNotStarted(thread.name, exc) from exc
 
 
 class Service:

@@ -126,9 +126,7 @@ def open_pool(pool: ConnectionPool[Any], timeout: float) -> None:
         pool.open(wait=True, timeout=timeout)
     except RuntimeError as exc:  # psycopg_pool starts its scheduler and workers
         pool.close()  # the threads that did start
-        raise ThreadNotStarted(
-            f"the connection pool: {exc} (is the process out of threads?)"
-        ) from exc
+        raise ThreadNotStarted("the connection pool", exc) from exc
 
 
 def connection_lost(e: Exception) -> bool:
