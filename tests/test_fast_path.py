@@ -17,7 +17,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import FLUSH_STATS, committed_transactions, dbname_of
+from helpers import FLUSH_STATS, committed_transactions, dbname_of, threads_fail_to_start
 from pgbouncer import runner_config
 from psycopg_pool import ConnectionPool
 
@@ -183,6 +183,47 @@ def test_start_with_max_local_runs_in_flight_leaves_the_run_pending_for_a_poller
     assert late.wait(timeout=30) is workflow.Status.SUCCEEDED
     assert [h.count(t, "late") for t in ("fast.one", "fast.two", "fast.three")] == [1, 1, 1]
     assert [h.count(t, BLOCK) for t in ("fast.one", "fast.two", "fast.three")] == [2, 2, 2]
+
+
+def test_a_process_out_of_threads_goes_on_with_those_it_has(
+    make_manager: Any,
+    h: Handlers,
+    db: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+    logs: Any,
+) -> None:
+    # Room for four runs, but only one fast-path thread can start. The run that meets
+    # the refusal waits for that thread; from then on the fast path counts on one slot,
+    # so the next start is left pending for a poller without being claimed at all.
+    # (Before: each start past the first was inserted claimed, found no thread, and was
+    # released again, its waiter kicking it into the same refusal every second.)
+    logger, records = logs
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=4), logger=logger)
+    threads_fail_to_start(monkeypatch, lambda t: t.name.startswith("workflow-run_") and
+                          t.name != "workflow-run_0")
+    store = mgr._executor.store
+    releases: list[Any] = []
+    release_claim = store.release_claim
+
+    def counted(*args: Any) -> Any:
+        releases.append(args)
+        return release_claim(*args)
+
+    monkeypatch.setattr(store, "release_claim", counted)
+    first = WF.start(mgr, BLOCK)
+    h.wait_entered()
+    second = WF.start(mgr, "second")  # waits for workflow-run_0
+    third = WF.start(mgr, "third")
+    row = db.execute(
+        "SELECT status, claim_id FROM workflow_runs WHERE id = %s", (third.id,)
+    ).fetchone()
+    assert row == ("pending", None)  # left for a poller
+    h.gate.set()
+    assert first.wait(timeout=30) is workflow.Status.SUCCEEDED
+    assert second.wait(timeout=30) is workflow.Status.SUCCEEDED
+    assert releases == []  # no run claimed only to be given back
+    assert set(h.threads) == {"workflow-run_0"}
+    assert sum("can't start a new thread" in m for m in records.messages()) == 1
 
 
 def test_start_with_the_pool_full_is_picked_up_by_a_poller(

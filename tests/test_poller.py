@@ -198,6 +198,45 @@ def test_a_run_no_thread_can_take_is_released_and_the_poller_backs_off(
         runnable.stop(timeout=10)
 
 
+def test_a_worker_with_fewer_threads_than_its_concurrency_claims_each_run_once(
+    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: Any, logs: Any
+) -> None:
+    # Concurrency 4, but the process can start only two of the poller's threads. The run
+    # a third thread would have taken waits for one of the two, and from then on the
+    # poller claims no more runs than its threads can take: no run is claimed, released
+    # and claimed again (before: each thread coming back led to a claim of up to four
+    # runs, two of them released at once, then a pause).
+    logger, records = logs
+    db.execute(CLAIMS_SEEN)
+
+    def short(run: workflow.TaskRun[Inp]) -> Out:
+        time.sleep(0.05)
+        return Out(threading.current_thread().name)
+
+    reg, wf = registry(workflow.handle(A, short))
+    mgr = make_manager(reg, logger=logger)
+    runs = start_each_in_its_own_transaction(db, wf, mgr, 24)
+    runnable = mgr.new_runnable(
+        workflow.RunnerConfig(poll_interval=0.5, batch_size=4, concurrency=4, listen=False)
+    )
+    threads_fail_to_start(
+        monkeypatch,
+        lambda t: t.name.startswith("workflow-worker") and t.name[-1] not in "01",
+    )
+    runnable.start()
+    try:
+        all_succeed(db, runs)
+    finally:
+        assert runnable.stop(timeout=10)
+    [(claims,)] = db.execute("SELECT count(*) FROM claims_seen").fetchall()
+    assert claims == len(runs)  # each run claimed once: none released for want of a thread
+    names = {name for (name,) in db.execute("SELECT output->>'value' FROM workflow_tasks")}
+    assert names == {"workflow-worker_0", "workflow-worker_1"}
+    said = records.messages()
+    assert sum("can't start a new thread" in m for m in said) == 1  # once, not per claim
+    assert not [m for m in said if "no thread could take" in m]
+
+
 def test_run_from_inside_a_handler_is_refused(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:
@@ -260,51 +299,6 @@ def warned(records: Any) -> list[tuple[float, float]]:
         if "no thread could take" in text:
             found.append((record.created, float(text.split("claims again in ")[1].split("s")[0])))
     return found
-
-
-def test_a_thread_coming_back_ends_the_pause_at_once(
-    make_manager: Any, db: psycopg.Connection[Any], monkeypatch: Any, logs: Any
-) -> None:
-    # One thread runs a long run; a second run finds no thread and pauses the claims
-    # for 20 s. The first run's end (its finish handed to the completer) frees that
-    # thread, and the second run is claimed and done well inside the pause.
-    monkeypatch.setattr("workflow.poller.NO_THREAD_PAUSE", 20.0)
-    logger, records = logs
-    go = threading.Event()
-
-    def held(run: workflow.TaskRun[Inp]) -> Out:
-        go.wait(30)
-        return Out(threading.current_thread().name)
-
-    reg, wf = registry(workflow.handle(A, held))
-    mgr = make_manager(reg, logger=logger)
-    runnable = mgr.new_runnable(
-        workflow.RunnerConfig(poll_interval=30, batch_size=1, concurrency=2)
-    )
-    [first] = start_each_in_its_own_transaction(db, wf, mgr, 1)
-    threads_fail_to_start(monkeypatch, lambda t: t.name == "workflow-worker_1")
-    runnable.start()
-    try:
-        wait_until(lambda: first.status().status is Status.RUNNING, "the first run")
-        with db.transaction():
-            wf.start_tx(db, mgr, Inp(2))
-        records.wait_for("no thread could take")
-        go.set()
-        # Polled, not run.wait(): that would run the second run on the fast path.
-        poll(
-            db,
-            "SELECT count(*) = 2 FROM workflow_runs WHERE status = 'succeeded'",
-            (),
-            timeout=10,
-            what="both runs, inside the 20 s pause",
-        )
-    finally:
-        go.set()
-        runnable.stop(timeout=10)
-    threads = db.execute(
-        "SELECT output->>'value' FROM workflow_tasks ORDER BY finished_at"
-    ).fetchall()
-    assert threads == [("workflow-worker_0",), ("workflow-worker_0",)]
 
 
 def test_stop_called_on_the_thread_inside_start_returns(

@@ -1,7 +1,9 @@
 """RunThreads, the fast path's and the poller's thread pool (no database needed).
 
 Jobs run on at most `size` threads; a thread the OS refuses leaves nothing
-half-done (the submit raises, no job is queued, a later submit starts a thread);
+half-done (with no thread running the submit raises, no job is queued, a later submit
+starts a thread; with some running, the job waits for them and `capacity` says how
+many there are until another is tried);
 after `shutdown()` submits raise and the threads stop behind the queued jobs.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -64,6 +67,58 @@ def test_a_thread_the_os_refuses_leaves_nothing_half_done(
     threads.submit(job, 2)
     assert done.wait(10)
     assert ran == [2]  # the refused job was never queued
+    threads.shutdown(wait=True, timeout=10)
+
+
+def test_a_thread_refused_beside_running_ones_queues_the_job_and_lowers_capacity(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr("workflow.runthreads.GROW_RETRY", 1.0)
+    threads = RunThreads(3, "rt-ceiling", LOG)
+    gate = threading.Event()
+    done = threading.Semaphore(0)
+    names: list[str] = []
+    real_start = threading.Thread.start
+    refusing = True
+
+    def start(thread: threading.Thread) -> None:
+        if refusing and thread.name != "rt-ceiling_0":
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    def job(_: Any) -> None:
+        gate.wait(10)
+        names.append(threading.current_thread().name)
+        done.release()
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    assert threads.capacity == 3
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        threads.submit(job, 1)  # rt-ceiling_0
+        threads.submit(job, 2)  # rt-ceiling_1 refused: queued behind the first
+        threads.submit(job, 3)  # no new thread tried before the retry
+    assert threads.capacity == 1
+    assert [r.getMessage() for r in caplog.records if "can't start a new" in r.getMessage()]
+    gate.set()
+    for _ in range(3):
+        assert done.acquire(timeout=10)
+    assert names == ["rt-ceiling_0"] * 3
+    time.sleep(1.05)
+    assert threads.capacity == 3  # a new thread is tried again
+    refusing = False
+    both = threading.Barrier(2, timeout=10)  # passed only by two jobs running at once
+
+    def side_by_side(_: Any) -> None:
+        both.wait()
+        names.append(threading.current_thread().name)
+        done.release()
+
+    threads.submit(side_by_side, 4)  # rt-ceiling_0 is idle: no new thread needed
+    threads.submit(side_by_side, 5)  # starts rt-ceiling_1
+    assert threads.capacity == 3
+    for _ in range(2):
+        assert done.acquire(timeout=10)
+    assert sorted(names[3:]) == ["rt-ceiling_0", "rt-ceiling_1"]
     threads.shutdown(wait=True, timeout=10)
 
 

@@ -1,7 +1,8 @@
 """The fast path: executing a run in the process that started it, right away.
 
-At most `max_local_runs` executions at once (a slot each); when they are all
-taken, or the manager is draining, a run is left for a poller. A run the fast
+At most `max_local_runs` executions at once (a slot each), fewer while the process
+cannot start that many threads (`RunThreads.capacity`); when they are all taken, or
+the manager is draining, a run is left for a poller. A run the fast
 path takes was inserted already claimed by this process (or claimed by id: a
 `wait()` kick, or `Manager.kick` after a commit), so it costs no claim of its own.
 """
@@ -45,8 +46,9 @@ class FastPath:
         """Take a slot for one execution; False when full, draining or forked."""
         if self._executor.draining.is_set() or self._fork.forked:
             return False
+        room = min(self._size, self._threads.capacity)  # fewer: out of threads
         with self._lock:
-            if self._in_flight >= self._size:
+            if self._in_flight >= room:
                 return False
             self._in_flight += 1
         return True

@@ -28,9 +28,11 @@ neither kind of run waits behind a backlog of the other. When an execution of a
 keyed run ends here, the thread that ran it claims its key's next run (one
 index probe) and runs it in the same room.
 
-A run claimed when no thread can take it (the process is out of threads) is
-released at once, and the poller claims nothing more until one of its threads
-comes back from a run or a pause has passed (`NO_THREAD_PAUSE`, doubling).
+A process out of threads goes on with the threads it has (runthreads.py): a run
+claimed for a thread that could not start waits for one of them, and claims count on
+no more places than those threads until another is tried. A run claimed when no
+thread at all can start is released at once, and the poller claims nothing more until
+a pause has passed (`NO_THREAD_PAUSE`, doubling).
 """
 
 from __future__ import annotations
@@ -52,9 +54,8 @@ OVERDUE_RETRY = 0.25
 """Seconds before looking again at a due run the last claim skipped (it was locked)."""
 NO_THREAD_PAUSE = 0.5
 """Seconds the poller waits before claiming again after a claim whose runs no thread could
-take (the process is out of threads), at most the poll interval: doubled after each such
-claim, up to the poll interval; a thread of this poller coming back from a run ends the
-wait."""
+take (the process could not start even one), at most the poll interval: doubled after
+each such claim, up to the poll interval."""
 KEY_WALK_SHARE = 0.1
 """The most of a poller's time its claims of keys' waiting runs may take: each reads
 up to a window of keys with runs waiting, so after one that took t seconds (and
@@ -86,9 +87,7 @@ class Poller(Service):
         self._keys_first = False
         self._walk_after = -float("inf")  # monotonic: no claim of keys' heads before
         self._walk_pause = 0.0  # the pause after the last one (it grows while they find none)
-        self._threads = RunThreads(
-            settings.concurrency, "workflow-worker", executor.log, on_idle=self._thread_back
-        )
+        self._threads = RunThreads(settings.concurrency, "workflow-worker", executor.log)
         # This poller's runs claimed and not yet handed to the completer (executing, or
         # waiting for a thread), and the places reserved for claims being made, against
         # `concurrency`.
@@ -149,8 +148,9 @@ class Poller(Service):
             or self._pause_left() > 0
         ):
             return 0
+        places = min(self._settings.concurrency, self._threads.capacity)
         with self._lock:
-            taken = max(0, min(wanted, self._settings.concurrency - self._running))
+            taken = max(0, min(wanted, places - self._running))
             self._running += taken
         return taken
 
@@ -292,6 +292,10 @@ class Poller(Service):
         executor.admit()
         try:
             self._threads.submit(self._execute, run)
+            if self._no_thread_until != -float("inf"):  # a thread could start again
+                with self._lock:
+                    self._no_thread_until = -float("inf")
+                    self._no_thread_pause = self._first_pause()
         except Exception as exc:  # shut down (stop() gave up joining us), or no thread
             executor.dismiss()
             if not self._threads.closed:
@@ -329,19 +333,9 @@ class Poller(Service):
             self._no_thread_until = now + pause
         self._executor.log.for_run(run.id).warning(
             "poller: no thread could take the run (%s); it is released, and this worker "
-            "claims again in %gs or when one of its threads comes back from a run",
+            "claims again in %gs",
             exc, pause,
         )
-
-    def _thread_back(self) -> None:
-        """A thread of this poller is back from a run and can take another (`RunThreads`
-        calls it): a pause for want of threads ends, and the loop claims at once."""
-        if self._no_thread_until == -float("inf"):
-            return
-        with self._lock:
-            self._no_thread_until = -float("inf")
-            self._no_thread_pause = self._first_pause()
-        self._wake.set()
 
     def _execute(self, run: ClaimedRun) -> None:
         self._handed.flag = False  # set by `_handed_over`, on this thread, for this run

@@ -6,6 +6,13 @@ submit and released after every job, both contended when many web threads start
 runs at once. Here a submit is one short lock and one queue put, and a thread
 back from a job takes one short lock.
 
+A process out of threads (its limit of threads or of memory for their stacks) goes on
+with the threads it has: when one more cannot start, the job waits for one of those
+already running, and `capacity` tells the callers (the fast path's slots, the
+poller's claims) to count on no more than those until a new one is tried
+(`GROW_RETRY`, doubling up to `GROW_RETRY_MAX`), so that they do not take runs only to
+give them back. Only a `RunThreads` that has no thread at all raises.
+
 Exit keeps the executor's promise: at interpreter exit (and at `shutdown()`)
 every thread gets a stop marker behind the jobs already queued, and exit waits
 for the threads, so executions in flight finish rather than being cut off (a
@@ -19,12 +26,18 @@ import atexit
 import os
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from workflow.logs import EngineLog
-from workflow.service import start_thread
+from workflow.service import ThreadNotStarted, start_thread
+
+GROW_RETRY = 1.0
+"""Seconds after a thread failed to start before another is tried (doubling after each
+failed try, up to `GROW_RETRY_MAX`); meanwhile `capacity` is the threads running."""
+GROW_RETRY_MAX = 60.0
 
 _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 
@@ -32,9 +45,7 @@ _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 class RunThreads:
     """Up to `size` threads, started on demand, running submitted calls in order."""
 
-    def __init__(
-        self, size: int, name: str, log: EngineLog, on_idle: Callable[[], None] | None = None
-    ) -> None:
+    def __init__(self, size: int, name: str, log: EngineLog) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = (
             queue.SimpleQueue()
         )
@@ -43,34 +54,73 @@ class RunThreads:
         self._log = log
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads back from a job and not yet handed another
+        self._waiting = 0  # jobs queued for whichever thread is back first
         self._lock = threading.Lock()
         self._closed = False
-        self._on_idle = on_idle  # called by a thread back from a job, once it can take one
+        # After a thread failed to start: no other is tried before this (monotonic),
+        # and the wait the next failure sets.
+        self._grow_after: float | None = None
+        self._grow_retry = GROW_RETRY
         _live.add(self)
 
+    @property
+    def capacity(self) -> int:
+        """How many jobs can run at once: `size`, or, from a thread that failed to start
+        until another is tried, the threads running (at least one)."""
+        after = self._grow_after
+        if after is None or time.monotonic() >= after:
+            return self._size
+        return len(self._threads)
+
     def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
-        """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`.
+        """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`, and
+        `ThreadNotStarted` when there is no thread and none can start.
 
         The job is queued under the lock that checks for shutdown, so it is
         queued ahead of the threads' stop markers or refused, never lost behind them.
+        When every thread is busy and no other can start, it waits for one of them.
         """
+        refused: ThreadNotStarted | None = None
+        first = False  # the first refusal since a thread last started: said once
+        wait = 0.0
         with self._lock:
             if self._closed:
                 raise RuntimeError("the fast path's threads are shut down")
             if self._idle > 0:
                 self._idle -= 1
-            elif len(self._threads) < self._size:
+            elif len(self._threads) < self._size and self.capacity == self._size:
                 thread = threading.Thread(
                     target=self._serve,
                     name=f"{self._name}_{len(self._threads)}",
                     daemon=True,
                 )
                 # Started before it is counted or the job is queued: when the OS
-                # refuses a thread, this raises and nothing is left half-done.
-                start_thread(thread)
-                self._threads.append(thread)
-            # else all are busy: the next one back takes the job.
+                # refuses a thread and none runs, this raises and nothing is left
+                # half-done.
+                try:
+                    start_thread(thread)
+                except ThreadNotStarted as exc:
+                    if not self._threads:
+                        raise
+                    refused = exc
+                    first = self._grow_after is None
+                    wait = self._grow_retry
+                    self._grow_after = time.monotonic() + wait
+                    self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
+                    self._waiting += 1  # it waits for a busy thread
+                else:
+                    self._threads.append(thread)
+                    self._grow_after = None
+                    self._grow_retry = GROW_RETRY
+            else:  # all are busy: the next one back takes the job
+                self._waiting += 1
             self._queue.put((fn, arg))
+            running = len(self._threads)
+        if refused is not None and first:
+            self._log.warning(
+                "%s: can't start a new thread (%s); going on with %d of %d, trying again "
+                "in %gs, later less often", self._name, refused, running, self._size, wait,
+            )
 
     def _serve(self) -> None:
         get = self._queue.get
@@ -85,12 +135,10 @@ class RunThreads:
                 self._log.exception("a run thread's job raised")
             del item, fn, arg
             with self._lock:
-                self._idle += 1
-            if self._on_idle is not None:
-                try:
-                    self._on_idle()
-                except BaseException:
-                    self._log.exception("a run thread's idle callback raised")
+                if self._waiting:  # it takes a job queued while every thread was busy
+                    self._waiting -= 1
+                else:
+                    self._idle += 1
 
     @property
     def closed(self) -> bool:
