@@ -15,6 +15,14 @@ class WorkflowError(Exception):
     """Base class of every error raised by the library itself."""
 
 
+class ThreadNotStarted(WorkflowError, RuntimeError):
+    """A thread of the library's could not start: the process is out of threads (or
+    memory for their stacks). A `RuntimeError`, as Python raises, and a `WorkflowError`."""
+
+    def __init__(self, what: str, cause: BaseException) -> None:
+        super().__init__(f"{what}: {cause} (is the process out of threads?)")
+
+
 class RegistrationError(WorkflowError, ValueError):
     """`Registry.register` refused a definition; the message names the fix."""
 

@@ -187,13 +187,9 @@ class Poller(Service):
         executor = self._executor
         failures = 0
         while not self._stopping.is_set():
-            pause = self._pause_left()
-            if pause > 0:
-                self._sleep(pause)
-                continue
             limit = self._reserve(self._settings.batch_size)
-            if limit <= 0:
-                pause = self._pause_left()  # one may have begun since (a completer's run)
+            if limit <= 0:  # no room, or a pause for want of threads (`_reserve`)
+                pause = self._pause_left()
                 self._sleep(pause if pause > 0 else self._settings.poll_interval)
                 continue
             claimed: list[ClaimedRun] = []

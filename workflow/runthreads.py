@@ -31,8 +31,9 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from workflow.errors import ThreadNotStarted
 from workflow.logs import EngineLog
-from workflow.service import ThreadNotStarted, start_thread
+from workflow.service import start_thread
 
 GROW_RETRY = 1.0
 """Seconds after a thread failed to start before another is tried (doubling after each
@@ -67,10 +68,12 @@ class RunThreads:
     def capacity(self) -> int:
         """How many jobs can run at once: `size`, or, from a thread that failed to start
         until another is tried, the threads running (at least one)."""
+        return self._size if self._may_grow() else len(self._threads)
+
+    def _may_grow(self) -> bool:
+        """Whether a new thread may be tried: none failed to start, or the retry is due."""
         after = self._grow_after
-        if after is None or time.monotonic() >= after:
-            return self._size
-        return len(self._threads)
+        return after is None or time.monotonic() >= after
 
     def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
         """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`, and
@@ -88,7 +91,7 @@ class RunThreads:
                 raise RuntimeError("the fast path's threads are shut down")
             if self._idle > 0:
                 self._idle -= 1
-            elif len(self._threads) < self._size and self.capacity == self._size:
+            elif len(self._threads) < self._size and self._may_grow():
                 thread = threading.Thread(
                     target=self._serve,
                     name=f"{self._name}_{len(self._threads)}",

@@ -5,15 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 
-from workflow.errors import WorkflowError
-
-
-class ThreadNotStarted(WorkflowError, RuntimeError):
-    """A thread of the library's could not start: the process is out of threads (or
-    memory for their stacks). A `RuntimeError`, as Python raises, and a `WorkflowError`."""
-
-    def __init__(self, what: str, cause: BaseException) -> None:
-        super().__init__(f"{what}: {cause} (is the process out of threads?)")
+from workflow.errors import ThreadNotStarted
 
 
 def start_thread(thread: threading.Thread) -> None:

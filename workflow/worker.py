@@ -58,10 +58,9 @@ from workflow._cli import (
 )
 from workflow.app import App, AppFailed, AppNotFound, load_app, parse_spec
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
-from workflow.errors import WorkflowError
+from workflow.errors import ThreadNotStarted, WorkflowError
 from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
-from workflow.service import ThreadNotStarted
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
 from workflow.store.connections import connect_explained, make_pool, one_line, open_pool
 

@@ -29,9 +29,8 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
-from workflow.errors import WorkflowError
+from workflow.errors import ThreadNotStarted, WorkflowError
 from workflow.logs import EngineLog
-from workflow.service import ThreadNotStarted
 
 CONNECT_TIMEOUT = 10
 """Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
