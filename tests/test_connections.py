@@ -275,3 +275,25 @@ def test_warm_connections_killed_under_a_manager_are_ridden_out(
         assert {run.wait(timeout=60) for run in runs} == {workflow.Status.SUCCEEDED}
     finally:
         mgr.close(timeout=10)
+
+
+@pytest.mark.direct("reads the prepared statements of the pool's one backend")
+def test_a_pool_made_for_a_manager_prepares_each_statement_at_its_first_execution(
+    db_url: str,
+) -> None:
+    """A new connection parses and plans each engine statement once, not five times."""
+    from workflow.store.connections import make_pool, open_pool
+
+    pool = make_pool(db_url, max_size=1)
+    open_pool(pool, 10.0)
+    mgr = workflow.Manager(pool, registry())
+    try:
+        assert WF.start(mgr, 1).wait(timeout=30) is workflow.Status.SUCCEEDED
+        with pool.connection() as conn:
+            statements = [row[0] for row in conn.execute(
+                "SELECT statement FROM pg_prepared_statements"
+            )]
+    finally:
+        mgr.close(timeout=10)
+        pool.close()
+    assert any("INSERT INTO workflow_runs" in text for text in statements), statements

@@ -103,14 +103,19 @@ def make_pool(
     """A pool of autocommit connections for a Manager, not open yet (`pool.open()`).
 
     `min_size=1`, `max_size` as given (`Settings.pool_size` sizes it for the fast
-    path). `prepared=False` turns off psycopg's server-side prepared statements,
-    for a transaction-mode pooler (PgBouncer before 1.21 cannot carry them).
+    path). Statements are prepared at their first execution on a connection
+    (`prepare_threshold=0`, psycopg's default being the fifth): the engine runs a fixed
+    set of statements, so a new connection parses and plans each once instead of up to
+    five times. Preparing costs one round trip, now at a statement's first execution
+    instead of its fifth: a statement run fewer than five times on a connection pays
+    one it did not pay before.
+    `prepared=False` turns off psycopg's server-side prepared statements, for a
+    transaction-mode pooler (PgBouncer before 1.21 cannot carry them).
     `kwargs` are more connection arguments; `options` more pool arguments (they
     override these defaults).
     """
     connection: dict[str, Any] = {"autocommit": True}
-    if not prepared:
-        connection["prepare_threshold"] = None
+    connection["prepare_threshold"] = 0 if prepared else None
     connection.update(kwargs or {})
     settings: dict[str, Any] = {"min_size": 1, "max_size": max_size, "name": name}
     settings.update(options)
