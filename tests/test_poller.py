@@ -237,6 +237,26 @@ def test_a_worker_with_fewer_threads_than_its_concurrency_claims_each_run_once(
     assert not [m for m in said if "no thread could take" in m]
 
 
+def test_a_poller_starts_its_threads_with_it_not_one_per_run_as_a_backlog_comes(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    # Started on demand, each thread was started by the thread handing over a run,
+    # under the lock every run thread takes when it comes back: in a busy process that
+    # held the first half second of a drain back.
+    reg, wf = registry(workflow.handle(A, lambda run: Out(threading.current_thread().name)))
+    mgr = make_manager(reg)
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, concurrency=3))
+    runnable.start()
+    try:
+        names = sorted(t.name for t in threading.enumerate()
+                       if t.name.startswith("workflow-worker_"))
+        assert names == ["workflow-worker_0", "workflow-worker_1", "workflow-worker_2"]
+        runs = start_each_in_its_own_transaction(db, wf, mgr, 6)
+        all_succeed(db, runs)
+    finally:
+        assert runnable.stop(timeout=10)
+
+
 def test_run_from_inside_a_handler_is_refused(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:

@@ -122,6 +122,75 @@ def test_a_thread_refused_beside_running_ones_queues_the_job_and_lowers_capacity
     threads.shutdown(wait=True, timeout=10)
 
 
+def test_start_all_starts_every_thread_idle_and_jobs_start_none() -> None:
+    threads = RunThreads(3, "rt-all", LOG)
+    threads.start_all()
+
+    def alive() -> list[str]:
+        return sorted(t.name for t in threading.enumerate() if t.name.startswith("rt-all_"))
+
+    assert alive() == ["rt-all_0", "rt-all_1", "rt-all_2"]
+    both = threading.Barrier(3, timeout=10)  # passed only by three jobs running at once
+    done = threading.Semaphore(0)
+
+    def job(_: Any) -> None:
+        both.wait()
+        done.release()
+
+    for i in range(3):
+        threads.submit(job, i)
+    for _ in range(3):
+        assert done.acquire(timeout=10)
+    assert alive() == ["rt-all_0", "rt-all_1", "rt-all_2"]  # no thread started by a job
+    threads.shutdown(wait=True, timeout=10)
+    assert alive() == []
+
+
+def test_start_all_refused_beside_started_threads_lowers_capacity_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    threads = RunThreads(4, "rt-some", LOG)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name not in ("rt-some_0", "rt-some_1"):
+            raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with caplog.at_level(logging.WARNING, logger=LOG.name):
+        threads.start_all()
+        assert threads.capacity == 2
+        done = threading.Semaphore(0)
+        for i in range(4):  # the two idle threads take two; no new thread is tried
+            threads.submit(lambda _: done.release(), i)
+        for _ in range(4):
+            assert done.acquire(timeout=10)
+    said = [r.getMessage() for r in caplog.records if "can't start a new" in r.getMessage()]
+    assert len(said) == 1 and "going on with 2 of 4" in said[0], said
+    threads.shutdown(wait=True, timeout=10)
+
+
+def test_start_all_with_no_thread_able_to_start_leaves_the_refusal_to_submit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = RunThreads(2, "rt-none", LOG)
+    real_start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    threads.start_all()  # quietly: a worker still starts, and its poller pauses
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        threads.submit(lambda _: None, 1)
+    monkeypatch.setattr(threading.Thread, "start", real_start)
+    done = threading.Event()
+    threads.submit(lambda _: done.set(), 2)
+    assert done.wait(10)
+    threads.shutdown(wait=True, timeout=10)
+
+
 def test_after_shutdown_submits_raise_and_queued_jobs_still_run() -> None:
     threads = RunThreads(1, "rt-shutdown", LOG)
     gate = threading.Event()

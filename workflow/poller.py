@@ -128,7 +128,8 @@ class Poller(Service):
         super().wake()
 
     def start(self) -> None:
-        """Start claiming, and the completer."""
+        """Start its run threads, then claiming, and the completer."""
+        self._threads.start_all()
         self.completer.start()
         super().start()
 

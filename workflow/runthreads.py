@@ -75,6 +75,66 @@ class RunThreads:
         after = self._grow_after
         return after is None or time.monotonic() >= after
 
+    def start_all(self) -> None:
+        """Start every thread now rather than one by one as jobs come: for a worker's
+        poller, whose threads all work as soon as a backlog is found.
+
+        A thread started on demand is started by the thread submitting the job, under
+        the lock every thread back from a job takes; in a process busy with its other
+        threads the new one can wait several switch intervals for the GIL before it
+        runs, and the submitter and those threads wait with it (measured: the first
+        half second of eight workers draining a backlog ran at a fraction of their
+        rate). When the OS refuses a thread beside some started, this goes on as
+        `submit` does (`capacity` is those, one warning); with none started it returns
+        quietly, and the first `submit` raises as it would have.
+        """
+        refused: tuple[ThreadNotStarted, float] | None = None
+        with self._lock:
+            while not self._closed and len(self._threads) < self._size and self._may_grow():
+                started = len(self._threads)
+                try:
+                    refused = self._start_one()
+                except ThreadNotStarted:
+                    return
+                if len(self._threads) == started:
+                    break
+                self._idle += 1
+            running = len(self._threads)
+        if refused is not None:
+            self._warn_refused(refused, running)
+
+    def _start_one(self) -> tuple[ThreadNotStarted, float] | None:
+        """Under the lock: start one more thread. When the OS refuses it beside running
+        ones, no other is tried for a while, and this returns the refusal and that wait
+        if it is the first since a thread last started (said once). Raises
+        `ThreadNotStarted` when none runs."""
+        thread = threading.Thread(
+            target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
+        )
+        # Started before it is counted: when the OS refuses a thread and none runs,
+        # this raises and nothing is left half-done.
+        try:
+            start_thread(thread)
+        except ThreadNotStarted as exc:
+            if not self._threads:
+                raise
+            first = self._grow_after is None
+            wait = self._grow_retry
+            self._grow_after = time.monotonic() + wait
+            self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
+            return (exc, wait) if first else None
+        self._threads.append(thread)
+        self._grow_after = None
+        self._grow_retry = GROW_RETRY
+        return None
+
+    def _warn_refused(self, refused: tuple[ThreadNotStarted, float], running: int) -> None:
+        exc, wait = refused
+        self._log.warning(
+            "%s: can't start a new thread (%s); going on with %d of %d, trying again "
+            "in %gs, later less often", self._name, exc, running, self._size, wait,
+        )
+
     def submit(self, fn: Callable[[Any], None], arg: Any) -> None:
         """Run `fn(arg)` on a thread; RuntimeError after `shutdown()`, and
         `ThreadNotStarted` when there is no thread and none can start.
@@ -83,47 +143,23 @@ class RunThreads:
         queued ahead of the threads' stop markers or refused, never lost behind them.
         When every thread is busy and no other can start, it waits for one of them.
         """
-        refused: ThreadNotStarted | None = None
-        first = False  # the first refusal since a thread last started: said once
-        wait = 0.0
+        refused: tuple[ThreadNotStarted, float] | None = None
         with self._lock:
             if self._closed:
                 raise RuntimeError("the fast path's threads are shut down")
             if self._idle > 0:
                 self._idle -= 1
             elif len(self._threads) < self._size and self._may_grow():
-                thread = threading.Thread(
-                    target=self._serve,
-                    name=f"{self._name}_{len(self._threads)}",
-                    daemon=True,
-                )
-                # Started before it is counted or the job is queued: when the OS
-                # refuses a thread and none runs, this raises and nothing is left
-                # half-done.
-                try:
-                    start_thread(thread)
-                except ThreadNotStarted as exc:
-                    if not self._threads:
-                        raise
-                    refused = exc
-                    first = self._grow_after is None
-                    wait = self._grow_retry
-                    self._grow_after = time.monotonic() + wait
-                    self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
-                    self._waiting += 1  # it waits for a busy thread
-                else:
-                    self._threads.append(thread)
-                    self._grow_after = None
-                    self._grow_retry = GROW_RETRY
+                started = len(self._threads)
+                refused = self._start_one()
+                if len(self._threads) == started:
+                    self._waiting += 1  # refused: it waits for a busy thread
             else:  # all are busy: the next one back takes the job
                 self._waiting += 1
             self._queue.put((fn, arg))
             running = len(self._threads)
-        if refused is not None and first:
-            self._log.warning(
-                "%s: can't start a new thread (%s); going on with %d of %d, trying again "
-                "in %gs, later less often", self._name, refused, running, self._size, wait,
-            )
+        if refused is not None:
+            self._warn_refused(refused, running)
 
     def _serve(self) -> None:
         get = self._queue.get
