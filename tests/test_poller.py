@@ -246,9 +246,10 @@ def test_a_poller_starts_its_threads_with_it_not_one_per_run_as_a_backlog_comes(
     reg, wf = registry(workflow.handle(A, lambda run: Out(threading.current_thread().name)))
     mgr = make_manager(reg)
     runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, concurrency=3))
+    before = set(threading.enumerate())  # an earlier test's threads may still be ending
     runnable.start()
     try:
-        names = sorted(t.name for t in threading.enumerate()
+        names = sorted(t.name for t in set(threading.enumerate()) - before
                        if t.name.startswith("workflow-worker_"))
         assert names == ["workflow-worker_0", "workflow-worker_1", "workflow-worker_2"]
         runs = start_each_in_its_own_transaction(db, wf, mgr, 6)

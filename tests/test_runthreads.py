@@ -126,10 +126,12 @@ def test_start_all_starts_every_thread_idle_and_jobs_start_none() -> None:
     threads = RunThreads(3, "rt-all", LOG)
     threads.start_all()
 
-    def alive() -> list[str]:
-        return sorted(t.name for t in threading.enumerate() if t.name.startswith("rt-all_"))
+    def alive() -> list[threading.Thread]:
+        return sorted((t for t in threading.enumerate() if t.name.startswith("rt-all_")),
+                      key=lambda t: t.name)
 
-    assert alive() == ["rt-all_0", "rt-all_1", "rt-all_2"]
+    before = alive()
+    assert [t.name for t in before] == ["rt-all_0", "rt-all_1", "rt-all_2"]
     both = threading.Barrier(3, timeout=10)  # passed only by three jobs running at once
     done = threading.Semaphore(0)
 
@@ -141,7 +143,7 @@ def test_start_all_starts_every_thread_idle_and_jobs_start_none() -> None:
         threads.submit(job, i)
     for _ in range(3):
         assert done.acquire(timeout=10)
-    assert alive() == ["rt-all_0", "rt-all_1", "rt-all_2"]  # no thread started by a job
+    assert alive() == before  # the same threads ran the jobs: none started for one
     threads.shutdown(wait=True, timeout=10)
     assert alive() == []
 
@@ -189,6 +191,55 @@ def test_start_all_with_no_thread_able_to_start_leaves_the_refusal_to_submit(
     threads.submit(lambda _: done.set(), 2)
     assert done.wait(10)
     threads.shutdown(wait=True, timeout=10)
+
+
+def test_a_shutdown_from_a_signal_handler_inside_start_all_stops_every_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A handler that runs on the starting thread while it waits for a new thread, and
+    # calls shutdown() (Runnable.stop from a signal handler): before, start_all held the
+    # lock shutdown takes, and this thread waited for itself.
+    threads = RunThreads(3, "rt-handler", LOG)
+    real_start = threading.Thread.start
+    calls = 0
+
+    def start(thread: threading.Thread) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            threads.shutdown()  # as the handler would, before the thread is counted
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    done = threading.Event()
+    starter = threading.Thread(target=lambda: (threads.start_all(), done.set()), daemon=True)
+    real_start(starter)
+    assert done.wait(10), "start_all waited for the lock its own thread held"
+    monkeypatch.undo()
+    threads.shutdown(wait=True, timeout=10)
+    assert not [t for t in threading.enumerate() if t.name.startswith("rt-handler_")]
+
+
+def test_a_thread_started_then_interrupted_in_start_all_is_counted_and_stops(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = RunThreads(2, "rt-ctrl-c", LOG)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        real_start(thread)
+        raise KeyboardInterrupt  # Ctrl-C in the wait for the started thread
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        threads.start_all()
+    monkeypatch.undo()
+    assert threads.capacity == 2
+    ran = threading.Event()
+    threads.submit(lambda _: ran.set(), 1)  # the started thread takes it
+    assert ran.wait(10)
+    threads.shutdown(wait=True, timeout=10)
+    assert not [t for t in threading.enumerate() if t.name.startswith("rt-ctrl-c_")]
 
 
 def test_after_shutdown_submits_raise_and_queued_jobs_still_run() -> None:

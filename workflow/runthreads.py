@@ -56,6 +56,7 @@ class RunThreads:
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads back from a job and not yet handed another
         self._waiting = 0  # jobs queued for whichever thread is back first
+        self._starting = 0  # threads `start_all` is starting, outside the lock
         self._lock = threading.Lock()
         self._closed = False
         # After a thread failed to start: no other is tried before this (monotonic),
@@ -87,26 +88,73 @@ class RunThreads:
         rate). When the OS refuses a thread beside some started, this goes on as
         `submit` does (`capacity` is those, one warning); with none started it returns
         quietly, and the first `submit` raises as it would have.
+
+        Each thread is started outside the lock (a signal handler calling `shutdown()`
+        on this thread meanwhile must not wait for it) and counted under it; one
+        counted after a `shutdown()` gets its own stop marker. A thread started and
+        then interrupted (Ctrl-C in the wait for it) is counted before the interrupt
+        goes on up.
         """
         refused: tuple[ThreadNotStarted, float] | None = None
-        with self._lock:
-            while not self._closed and len(self._threads) < self._size and self._may_grow():
-                started = len(self._threads)
-                try:
-                    refused = self._start_one()
-                except ThreadNotStarted:
-                    return
-                if len(self._threads) == started:
+        while True:
+            with self._lock:
+                counted = len(self._threads) + self._starting
+                if self._closed or counted >= self._size or not self._may_grow():
                     break
-                self._idle += 1
-            running = len(self._threads)
+                self._starting += 1
+            thread = threading.Thread(
+                target=self._serve, name=f"{self._name}_{counted}", daemon=True
+            )
+            try:
+                start_thread(thread)
+            except ThreadNotStarted as exc:
+                with self._lock:
+                    self._starting -= 1
+                    if self._threads:
+                        refused = self._refused(exc)
+                break
+            except BaseException:
+                with self._lock:
+                    self._starting -= 1
+                    if thread.ident is not None:  # started, then interrupted
+                        self._count(thread)
+                        self._back()
+                raise
+            with self._lock:
+                self._starting -= 1
+                self._count(thread)
+                self._back()
         if refused is not None:
-            self._warn_refused(refused, running)
+            self._warn_refused(refused, len(self._threads))
+
+    def _count(self, thread: threading.Thread) -> None:
+        """Under the lock: `thread` has started; after `shutdown()` it is told to stop."""
+        self._threads.append(thread)
+        self._grow_after = None
+        self._grow_retry = GROW_RETRY
+        if self._closed:
+            self._queue.put(None)
+
+    def _back(self) -> None:
+        """Under the lock: a thread is free, for a job queued meanwhile or idle."""
+        if self._waiting:
+            self._waiting -= 1
+        else:
+            self._idle += 1
+
+    def _refused(self, exc: ThreadNotStarted) -> tuple[ThreadNotStarted, float] | None:
+        """Under the lock, a thread refused beside running ones: no other is tried for a
+        while; the refusal and that wait if it is the first since a thread last started
+        (said once), else None."""
+        first = self._grow_after is None
+        wait = self._grow_retry
+        self._grow_after = time.monotonic() + wait
+        self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
+        return (exc, wait) if first else None
 
     def _start_one(self) -> tuple[ThreadNotStarted, float] | None:
-        """Under the lock: start one more thread. When the OS refuses it beside running
-        ones, no other is tried for a while, and this returns the refusal and that wait
-        if it is the first since a thread last started (said once). Raises
+        """Under the lock, for `submit`: start one more thread. When the OS refuses it
+        beside running ones, the refusal as `_refused` gives it. Raises
         `ThreadNotStarted` when none runs."""
         thread = threading.Thread(
             target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
@@ -118,14 +166,8 @@ class RunThreads:
         except ThreadNotStarted as exc:
             if not self._threads:
                 raise
-            first = self._grow_after is None
-            wait = self._grow_retry
-            self._grow_after = time.monotonic() + wait
-            self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
-            return (exc, wait) if first else None
-        self._threads.append(thread)
-        self._grow_after = None
-        self._grow_retry = GROW_RETRY
+            return self._refused(exc)
+        self._count(thread)
         return None
 
     def _warn_refused(self, refused: tuple[ThreadNotStarted, float], running: int) -> None:
@@ -149,7 +191,7 @@ class RunThreads:
                 raise RuntimeError("the fast path's threads are shut down")
             if self._idle > 0:
                 self._idle -= 1
-            elif len(self._threads) < self._size and self._may_grow():
+            elif len(self._threads) + self._starting < self._size and self._may_grow():
                 started = len(self._threads)
                 refused = self._start_one()
                 if len(self._threads) == started:
@@ -174,10 +216,7 @@ class RunThreads:
                 self._log.exception("a run thread's job raised")
             del item, fn, arg
             with self._lock:
-                if self._waiting:  # it takes a job queued while every thread was busy
-                    self._waiting -= 1
-                else:
-                    self._idle += 1
+                self._back()  # it takes a job queued while every thread was busy, or idles
 
     @property
     def closed(self) -> bool:
