@@ -242,6 +242,74 @@ def test_a_thread_started_then_interrupted_in_start_all_is_counted_and_stops(
     assert not [t for t in threading.enumerate() if t.name.startswith("rt-ctrl-c_")]
 
 
+def test_a_thread_starting_for_a_job_holds_up_neither_threads_back_nor_other_submits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A new thread can wait a while for the GIL before it runs. Before, submit started
+    # it under the lock every thread back from a job takes: they, and every submit,
+    # waited with it.
+    threads = RunThreads(2, "rt-slow", LOG)
+    real_start = threading.Thread.start
+    gate = threading.Event()
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name == "rt-slow_1":
+            gate.wait(30)  # this start is slow
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    first_done, second_ran, third_ran = threading.Event(), threading.Event(), threading.Event()
+    try:
+        holding = threading.Event()
+        threads.submit(lambda _: (holding.wait(10), first_done.set()), 1)  # rt-slow_0
+        slow = threading.Thread(target=threads.submit, args=(lambda _: second_ran.set(), 2))
+        real_start(slow)  # needs rt-slow_1, whose start waits for the gate
+        time.sleep(0.1)
+        holding.set()  # rt-slow_0 comes back from its job
+        assert first_done.wait(10)
+        other = threading.Thread(target=threads.submit, args=(lambda _: third_ran.set(), 3))
+        real_start(other)  # rt-slow_0 is free: it takes this job at once
+        assert third_ran.wait(5), "a submit waited for another's thread to start"
+        assert not second_ran.is_set()  # queued once its own thread runs
+    finally:
+        gate.set()
+    assert second_ran.wait(10)
+    slow.join(10)
+    other.join(10)
+    threads.shutdown(wait=True, timeout=10)
+
+
+def test_a_shutdown_from_a_signal_handler_inside_submit_refuses_the_job_and_stops_the_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    threads = RunThreads(2, "rt-submit-handler", LOG)
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        threads.shutdown()  # as a handler's Manager.close() would, on this thread
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    outcome: list[BaseException | None] = []
+
+    def submit() -> None:
+        try:
+            threads.submit(lambda _: None, 1)
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    starter = threading.Thread(target=submit, daemon=True)
+    real_start(starter)
+    starter.join(10)
+    assert outcome, "submit waited for the lock its own thread held"
+    assert isinstance(outcome[0], RuntimeError) and "shut down" in str(outcome[0])
+    monkeypatch.undo()
+    threads.shutdown(wait=True, timeout=10)
+    assert not [t for t in threading.enumerate() if t.name.startswith("rt-submit-handler_")]
+
+
 def test_after_shutdown_submits_raise_and_queued_jobs_still_run() -> None:
     threads = RunThreads(1, "rt-shutdown", LOG)
     gate = threading.Event()

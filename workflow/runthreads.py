@@ -40,6 +40,10 @@ GROW_RETRY = 1.0
 failed try, up to `GROW_RETRY_MAX`); meanwhile `capacity` is the threads running."""
 GROW_RETRY_MAX = 60.0
 
+CLOSED = "the fast path's threads are shut down"
+
+Job = tuple[Callable[[Any], None], Any]
+
 _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 
 
@@ -47,9 +51,7 @@ class RunThreads:
     """Up to `size` threads, started on demand, running submitted calls in order."""
 
     def __init__(self, size: int, name: str, log: EngineLog) -> None:
-        self._queue: queue.SimpleQueue[tuple[Callable[[Any], None], Any] | None] = (
-            queue.SimpleQueue()
-        )
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._size = size
         self._name = name
         self._log = log
@@ -98,34 +100,58 @@ class RunThreads:
         refused: tuple[ThreadNotStarted, float] | None = None
         while True:
             with self._lock:
-                counted = len(self._threads) + self._starting
-                if self._closed or counted >= self._size or not self._may_grow():
+                if (self._closed or len(self._threads) + self._starting >= self._size
+                        or not self._may_grow()):
                     break
-                self._starting += 1
-            thread = threading.Thread(
-                target=self._serve, name=f"{self._name}_{counted}", daemon=True
-            )
-            try:
-                start_thread(thread)
-            except ThreadNotStarted as exc:
+                number = self._reserve()
+            exc = self._start(number, None)
+            if exc is not None:
                 with self._lock:
-                    self._starting -= 1
                     if self._threads:
                         refused = self._refused(exc)
                 break
-            except BaseException:
-                with self._lock:
-                    self._starting -= 1
-                    if thread.ident is not None:  # started, then interrupted
-                        self._count(thread)
-                        self._back()
-                raise
-            with self._lock:
-                self._starting -= 1
-                self._count(thread)
-                self._back()
         if refused is not None:
             self._warn_refused(refused, len(self._threads))
+
+    def _reserve(self) -> int:
+        """Under the lock: a place for one more thread, which `_start` starts; its number."""
+        number = len(self._threads) + self._starting
+        self._starting += 1
+        return number
+
+    def _start(self, number: int, job: Job | None) -> ThreadNotStarted | None:
+        """Start the thread of a place `_reserve` gave, outside the lock; the OS's
+        refusal, or None. Counted under the lock once it runs, then given `job` (queued
+        for it; RuntimeError if `shutdown()` came meanwhile, the thread then stopping
+        by a marker of its own) or, with None, free for the next job. A thread started
+        and then interrupted (Ctrl-C in the wait for it) is counted, free, before the
+        interrupt goes on up, and `job` is not queued."""
+        thread = threading.Thread(
+            target=self._serve, name=f"{self._name}_{number}", daemon=True
+        )
+        try:
+            start_thread(thread)
+        except ThreadNotStarted as exc:
+            with self._lock:
+                self._starting -= 1
+            return exc
+        except BaseException:
+            with self._lock:
+                self._starting -= 1
+                if thread.ident is not None:  # started, then interrupted
+                    self._count(thread)
+                    self._back()
+            raise
+        with self._lock:
+            self._starting -= 1
+            self._count(thread)
+            if job is None:
+                self._back()
+            elif self._closed:
+                raise RuntimeError(CLOSED)
+            else:
+                self._queue.put(job)
+        return None
 
     def _count(self, thread: threading.Thread) -> None:
         """Under the lock: `thread` has started; after `shutdown()` it is told to stop."""
@@ -152,24 +178,6 @@ class RunThreads:
         self._grow_retry = min(2 * wait, GROW_RETRY_MAX)
         return (exc, wait) if first else None
 
-    def _start_one(self) -> tuple[ThreadNotStarted, float] | None:
-        """Under the lock, for `submit`: start one more thread. When the OS refuses it
-        beside running ones, the refusal as `_refused` gives it. Raises
-        `ThreadNotStarted` when none runs."""
-        thread = threading.Thread(
-            target=self._serve, name=f"{self._name}_{len(self._threads)}", daemon=True
-        )
-        # Started before it is counted: when the OS refuses a thread and none runs,
-        # this raises and nothing is left half-done.
-        try:
-            start_thread(thread)
-        except ThreadNotStarted as exc:
-            if not self._threads:
-                raise
-            return self._refused(exc)
-        self._count(thread)
-        return None
-
     def _warn_refused(self, refused: tuple[ThreadNotStarted, float], running: int) -> None:
         exc, wait = refused
         self._log.warning(
@@ -184,21 +192,34 @@ class RunThreads:
         The job is queued under the lock that checks for shutdown, so it is
         queued ahead of the threads' stop markers or refused, never lost behind them.
         When every thread is busy and no other can start, it waits for one of them.
+        A thread it needs is started outside the lock, as `start_all`'s are: the
+        threads coming back from jobs do not wait for it, nor does a signal handler's
+        `shutdown()` on this thread.
         """
-        refused: tuple[ThreadNotStarted, float] | None = None
+        job = (fn, arg)
         with self._lock:
             if self._closed:
-                raise RuntimeError("the fast path's threads are shut down")
+                raise RuntimeError(CLOSED)
             if self._idle > 0:
                 self._idle -= 1
-            elif len(self._threads) + self._starting < self._size and self._may_grow():
-                started = len(self._threads)
-                refused = self._start_one()
-                if len(self._threads) == started:
-                    self._waiting += 1  # refused: it waits for a busy thread
-            else:  # all are busy: the next one back takes the job
-                self._waiting += 1
-            self._queue.put((fn, arg))
+                self._queue.put(job)
+                return
+            if len(self._threads) + self._starting >= self._size or not self._may_grow():
+                self._waiting += 1  # all are busy: the next one back takes the job
+                self._queue.put(job)
+                return
+            number = self._reserve()
+        exc = self._start(number, job)
+        if exc is None:
+            return
+        with self._lock:
+            if not self._threads:
+                raise exc  # none runs: nothing is queued, a later submit tries again
+            refused = self._refused(exc)
+            if self._closed:
+                raise RuntimeError(CLOSED)
+            self._waiting += 1  # refused beside running ones: it waits for one of them
+            self._queue.put(job)
             running = len(self._threads)
         if refused is not None:
             self._warn_refused(refused, running)
