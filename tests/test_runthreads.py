@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -19,6 +20,33 @@ import pytest
 from workflow.runthreads import RunThreads
 
 LOG = logging.getLogger("test.runthreads")
+REAL_START = threading.Thread.start  # the real one, whatever a test patches in
+
+
+def alive(prefix: str) -> list[threading.Thread]:
+    """The live threads whose names start with `prefix`, by name."""
+    return sorted((t for t in threading.enumerate() if t.name.startswith(prefix)),
+                  key=lambda t: t.name)
+
+
+def on_its_own_thread(call: Callable[[], None]) -> list[BaseException | None]:
+    """Run `call` on a new thread (started for real, whatever `Thread.start` is patched
+    to); [its exception, or None] once it returns, [] if it has not within 10 s."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            outcome.append(exc)
+        else:
+            outcome.append(None)
+
+    thread = threading.Thread(target=run, daemon=True)
+    REAL_START(thread)
+    thread.join(10)
+    return outcome
+
 
 
 def test_jobs_run_on_at_most_size_threads() -> None:
@@ -50,7 +78,6 @@ def test_a_thread_the_os_refuses_leaves_nothing_half_done(
     threads = RunThreads(1, "rt-refused", LOG)
     ran: list[int] = []
     done = threading.Event()
-    real_start = threading.Thread.start
 
     def refuse(self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
@@ -58,7 +85,7 @@ def test_a_thread_the_os_refuses_leaves_nothing_half_done(
     monkeypatch.setattr(threading.Thread, "start", refuse)
     with pytest.raises(RuntimeError, match="can't start new thread"):
         threads.submit(ran.append, 1)
-    monkeypatch.setattr(threading.Thread, "start", real_start)
+    monkeypatch.setattr(threading.Thread, "start", REAL_START)
 
     def job(n: int) -> None:
         ran.append(n)
@@ -78,13 +105,12 @@ def test_a_thread_refused_beside_running_ones_queues_the_job_and_lowers_capacity
     gate = threading.Event()
     done = threading.Semaphore(0)
     names: list[str] = []
-    real_start = threading.Thread.start
     refusing = True
 
     def start(thread: threading.Thread) -> None:
         if refusing and thread.name != "rt-ceiling_0":
             raise RuntimeError("can't start new thread")
-        real_start(thread)
+        REAL_START(thread)
 
     def job(_: Any) -> None:
         gate.wait(10)
@@ -125,12 +151,7 @@ def test_a_thread_refused_beside_running_ones_queues_the_job_and_lowers_capacity
 def test_start_all_starts_every_thread_idle_and_jobs_start_none() -> None:
     threads = RunThreads(3, "rt-all", LOG)
     threads.start_all()
-
-    def alive() -> list[threading.Thread]:
-        return sorted((t for t in threading.enumerate() if t.name.startswith("rt-all_")),
-                      key=lambda t: t.name)
-
-    before = alive()
+    before = alive("rt-all_")
     assert [t.name for t in before] == ["rt-all_0", "rt-all_1", "rt-all_2"]
     both = threading.Barrier(3, timeout=10)  # passed only by three jobs running at once
     done = threading.Semaphore(0)
@@ -143,21 +164,20 @@ def test_start_all_starts_every_thread_idle_and_jobs_start_none() -> None:
         threads.submit(job, i)
     for _ in range(3):
         assert done.acquire(timeout=10)
-    assert alive() == before  # the same threads ran the jobs: none started for one
+    assert alive("rt-all_") == before  # the same threads ran the jobs: none started for one
     threads.shutdown(wait=True, timeout=10)
-    assert alive() == []
+    assert alive("rt-all_") == []
 
 
 def test_start_all_refused_beside_started_threads_lowers_capacity_and_says_so_once(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     threads = RunThreads(4, "rt-some", LOG)
-    real_start = threading.Thread.start
 
     def start(thread: threading.Thread) -> None:
         if thread.name not in ("rt-some_0", "rt-some_1"):
             raise RuntimeError("can't start new thread")
-        real_start(thread)
+        REAL_START(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
     with caplog.at_level(logging.WARNING, logger=LOG.name):
@@ -177,7 +197,6 @@ def test_start_all_with_no_thread_able_to_start_leaves_the_refusal_to_submit(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads = RunThreads(2, "rt-none", LOG)
-    real_start = threading.Thread.start
 
     def refuse(self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
@@ -186,7 +205,7 @@ def test_start_all_with_no_thread_able_to_start_leaves_the_refusal_to_submit(
     threads.start_all()  # quietly: a worker still starts, and its poller pauses
     with pytest.raises(RuntimeError, match="can't start new thread"):
         threads.submit(lambda _: None, 1)
-    monkeypatch.setattr(threading.Thread, "start", real_start)
+    monkeypatch.setattr(threading.Thread, "start", REAL_START)
     done = threading.Event()
     threads.submit(lambda _: done.set(), 2)
     assert done.wait(10)
@@ -200,7 +219,6 @@ def test_a_shutdown_from_a_signal_handler_inside_start_all_stops_every_thread(
     # calls shutdown() (Runnable.stop from a signal handler): before, start_all held the
     # lock shutdown takes, and this thread waited for itself.
     threads = RunThreads(3, "rt-handler", LOG)
-    real_start = threading.Thread.start
     calls = 0
 
     def start(thread: threading.Thread) -> None:
@@ -208,26 +226,23 @@ def test_a_shutdown_from_a_signal_handler_inside_start_all_stops_every_thread(
         calls += 1
         if calls == 2:
             threads.shutdown()  # as the handler would, before the thread is counted
-        real_start(thread)
+        REAL_START(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    done = threading.Event()
-    starter = threading.Thread(target=lambda: (threads.start_all(), done.set()), daemon=True)
-    real_start(starter)
-    assert done.wait(10), "start_all waited for the lock its own thread held"
+    outcome = on_its_own_thread(threads.start_all)
+    assert outcome == [None], "start_all waited for the lock its own thread held"
     monkeypatch.undo()
     threads.shutdown(wait=True, timeout=10)
-    assert not [t for t in threading.enumerate() if t.name.startswith("rt-handler_")]
+    assert alive("rt-handler_") == []
 
 
 def test_a_thread_started_then_interrupted_in_start_all_is_counted_and_stops(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads = RunThreads(2, "rt-ctrl-c", LOG)
-    real_start = threading.Thread.start
 
     def start(thread: threading.Thread) -> None:
-        real_start(thread)
+        REAL_START(thread)
         raise KeyboardInterrupt  # Ctrl-C in the wait for the started thread
 
     monkeypatch.setattr(threading.Thread, "start", start)
@@ -239,7 +254,7 @@ def test_a_thread_started_then_interrupted_in_start_all_is_counted_and_stops(
     threads.submit(lambda _: ran.set(), 1)  # the started thread takes it
     assert ran.wait(10)
     threads.shutdown(wait=True, timeout=10)
-    assert not [t for t in threading.enumerate() if t.name.startswith("rt-ctrl-c_")]
+    assert alive("rt-ctrl-c_") == []
 
 
 def test_a_thread_starting_for_a_job_holds_up_neither_threads_back_nor_other_submits(
@@ -249,13 +264,12 @@ def test_a_thread_starting_for_a_job_holds_up_neither_threads_back_nor_other_sub
     # it under the lock every thread back from a job takes: they, and every submit,
     # waited with it.
     threads = RunThreads(2, "rt-slow", LOG)
-    real_start = threading.Thread.start
     gate = threading.Event()
 
     def start(thread: threading.Thread) -> None:
         if thread.name == "rt-slow_1":
             gate.wait(30)  # this start is slow
-        real_start(thread)
+        REAL_START(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
     first_done, second_ran, third_ran = threading.Event(), threading.Event(), threading.Event()
@@ -263,12 +277,12 @@ def test_a_thread_starting_for_a_job_holds_up_neither_threads_back_nor_other_sub
         holding = threading.Event()
         threads.submit(lambda _: (holding.wait(10), first_done.set()), 1)  # rt-slow_0
         slow = threading.Thread(target=threads.submit, args=(lambda _: second_ran.set(), 2))
-        real_start(slow)  # needs rt-slow_1, whose start waits for the gate
+        REAL_START(slow)  # needs rt-slow_1, whose start waits for the gate
         time.sleep(0.1)
         holding.set()  # rt-slow_0 comes back from its job
         assert first_done.wait(10)
         other = threading.Thread(target=threads.submit, args=(lambda _: third_ran.set(), 3))
-        real_start(other)  # rt-slow_0 is free: it takes this job at once
+        REAL_START(other)  # rt-slow_0 is free: it takes this job at once
         assert third_ran.wait(5), "a submit waited for another's thread to start"
         assert not second_ran.is_set()  # queued once its own thread runs
     finally:
@@ -283,31 +297,18 @@ def test_a_shutdown_from_a_signal_handler_inside_submit_refuses_the_job_and_stop
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     threads = RunThreads(2, "rt-submit-handler", LOG)
-    real_start = threading.Thread.start
 
     def start(thread: threading.Thread) -> None:
         threads.shutdown()  # as a handler's Manager.close() would, on this thread
-        real_start(thread)
+        REAL_START(thread)
 
     monkeypatch.setattr(threading.Thread, "start", start)
-    outcome: list[BaseException | None] = []
-
-    def submit() -> None:
-        try:
-            threads.submit(lambda _: None, 1)
-        except BaseException as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
-
-    starter = threading.Thread(target=submit, daemon=True)
-    real_start(starter)
-    starter.join(10)
+    outcome = on_its_own_thread(lambda: threads.submit(lambda _: None, 1))
     assert outcome, "submit waited for the lock its own thread held"
     assert isinstance(outcome[0], RuntimeError) and "shut down" in str(outcome[0])
     monkeypatch.undo()
     threads.shutdown(wait=True, timeout=10)
-    assert not [t for t in threading.enumerate() if t.name.startswith("rt-submit-handler_")]
+    assert alive("rt-submit-handler_") == []
 
 
 def test_after_shutdown_submits_raise_and_queued_jobs_still_run() -> None:

@@ -48,7 +48,8 @@ _live: weakref.WeakSet[RunThreads] = weakref.WeakSet()
 
 
 class RunThreads:
-    """Up to `size` threads, started on demand, running submitted calls in order."""
+    """Up to `size` threads, started on demand (or all at once, `start_all`), running
+    submitted calls in order."""
 
     def __init__(self, size: int, name: str, log: EngineLog) -> None:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
@@ -58,7 +59,7 @@ class RunThreads:
         self._threads: list[threading.Thread] = []
         self._idle = 0  # threads back from a job and not yet handed another
         self._waiting = 0  # jobs queued for whichever thread is back first
-        self._starting = 0  # threads `start_all` is starting, outside the lock
+        self._starting = 0  # threads being started outside the lock (`_reserve`, `_start`)
         self._lock = threading.Lock()
         self._closed = False
         # After a thread failed to start: no other is tried before this (monotonic),
