@@ -49,11 +49,11 @@ def instrument() -> None:
         return r
 
     def complete_task(
-        self: Store, run_id: uuid.UUID, claim_id: uuid.UUID, seq: int, *a: Any
+        self: Store, run_id: uuid.UUID, claim_id: uuid.UUID, seq: int, *a: Any, **kw: Any
     ) -> Any:
         key = str(run_id)
         _mark(key, f"task {seq} sent")
-        r = orig_complete(self, run_id, claim_id, seq, *a)
+        r = orig_complete(self, run_id, claim_id, seq, *a, **kw)
         _mark(key, f"task {seq} done")
         return r
 
@@ -152,7 +152,7 @@ def statement_overhead(url: str, n: int) -> None:
     """One "advance" write three ways, rotated over the same runs: through the
     engine's Store (pool checkout + wrapper), the engine's SQL on a dedicated
     connection, and the null engine's hand-written statement."""
-    from workflow.store import _Q
+    from workflow.store import _Q, _step
 
     pool = psycopg_pool.ConnectionPool(url, min_size=2, max_size=4, kwargs={"autocommit": True})
     pool.wait()
@@ -164,17 +164,8 @@ def statement_overhead(url: str, n: int) -> None:
         assert store.complete_task(run_id, claim, seq, None, seq + 1, False)
 
     def engine_sql(run_id: uuid.UUID, claim: uuid.UUID, seq: int) -> None:
-        assert conn.execute(
-            _Q["complete_task"],
-            {
-                "id": run_id,
-                "claim_id": claim,
-                "seq": seq,
-                "output": None,
-                "next_seq": seq + 1,
-                "done": False,
-            },
-        ).fetchall()
+        params = _step(run_id, claim, seq, None, seq + 1, False, True)
+        assert conn.execute(_Q["complete_task"], params).fetchall()
 
     def null_sql(run_id: uuid.UUID, claim: uuid.UUID, seq: int) -> None:
         assert conn.execute(
