@@ -2,6 +2,9 @@
 
 Anything `decode_text` cannot read raises `DecodeError`, never another exception;
 anything `encode` cannot write raises `EncodeError` naming the field.
+
+Every test here runs twice: with orjson writing and parsing the text (when it is
+installed) and with the standard library alone, as on a platform without orjson.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import enum
 import json
 import math
 import uuid
+from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
 
@@ -21,8 +25,26 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from workflow import DecodeError, EncodeError
-from workflow.codec import decode, decode_text, encode
+from workflow import DecodeError, EncodeError, codec
+from workflow.codec import decode, decode_text, encode, encode_document
+
+try:
+    import orjson
+except ImportError:  # the standard library's path is tested all the same
+    orjson = None  # type: ignore[assignment]
+
+
+@pytest.fixture(scope="module", autouse=True, params=["orjson", "stdlib"])
+def json_library(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Which library writes the text: orjson, or the standard library alone."""
+    if request.param == "orjson" and orjson is None:
+        pytest.skip("orjson is not installed")
+    saved = codec._orjson
+    codec._orjson = orjson if request.param == "orjson" else None
+    try:
+        yield request.param
+    finally:
+        codec._orjson = saved
 
 # --- the types under test ------------------------------------------------------------
 
@@ -706,3 +728,91 @@ def test_a_record_that_holds_itself_round_trips_and_a_deep_misshape_is_named() -
     short = '{"name": "a", "tags": {"t": [1]}}'
     with pytest.raises(DecodeError, match=r"\$\.tags\['t'\]: expected 2 items, not 1"):
         decode_text(short, Branch)
+
+
+# --- orjson and the standard library agree ------------------------------------------
+
+# Values orjson writes otherwise than the standard library, or refuses where the
+# standard library does not: NaN and infinities (null in orjson), integers past 64
+# bits, keys that are not strings (two of which may encode alike), tuples, lone
+# surrogates, NUL, datetimes and records in an `Any`, nesting past orjson's depth.
+any_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(min_value=2**63 - 2, max_value=2**64 + 2)
+    | st.floats()
+    | st.text()
+    | st.datetimes()
+    | st.builds(Reserved, id=st.text(max_size=3))
+)
+any_documents = st.recursive(
+    any_scalars,
+    lambda inner: st.lists(inner, max_size=4)
+    | st.tuples(inner, inner)
+    | st.dictionaries(st.text(max_size=4) | st.integers(-3, 3) | st.booleans(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _outcome(value: Any, tp: Any) -> Any:
+    """What encoding `value` gives: the document its text holds, or the error.
+
+    The two libraries may spell a number differently (`1e-7` against `1e-07`): the
+    text stored as jsonb, or sealed and parsed again, reads the same either way."""
+    try:
+        text, document, decoded = encode_document(value, tp)
+    except EncodeError as e:
+        return f"EncodeError: {e}"
+    assert json.loads(text) == document
+    assert decoded == document
+    return document
+
+
+def _alone_and_quick(value: Any) -> tuple[Any, Any]:
+    """`_outcome` of `value` as `Any` with the standard library alone, then with orjson."""
+    saved = codec._orjson
+    try:
+        codec._orjson = None
+        alone = _outcome(value, Any)
+        codec._orjson = orjson
+        return alone, _outcome(value, Any)
+    finally:
+        codec._orjson = saved
+
+
+@PROPERTY
+@given(value=any_documents)
+def test_orjson_and_the_standard_library_write_and_refuse_alike(value: Any) -> None:
+    if orjson is None:
+        pytest.skip("orjson is not installed")
+    alone, quick = _alone_and_quick(value)
+    assert quick == alone
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"a": math.nan},
+        [math.inf],
+        {1: "a", "1": "b"},
+        {"n": 2**64},
+        ("a", 1),
+        {"s": "lone \ud800"},
+        {"s": "nul \x00"},
+        {"at": datetime.datetime(2026, 1, 1)},
+        [Reserved("x")],
+        [1],
+    ],
+    ids=["nan", "infinity", "keys-alike", "big-int", "tuple", "surrogate", "nul", "datetime",
+         "record", "plain"],
+)
+def test_values_orjson_would_write_otherwise_get_the_standard_librarys_answer(value: Any) -> None:
+    if orjson is None:
+        pytest.skip("orjson is not installed")
+    deep = value  # and the same nested past orjson's limit of 255 levels
+    for _ in range(300):
+        deep = [deep]
+    for v in (value, deep):
+        alone, quick = _alone_and_quick(v)
+        assert quick == alone

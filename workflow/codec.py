@@ -3,6 +3,9 @@
 Supported: attrs classes, dataclasses, str/int/float/bool/None, lists, tuples,
 dicts, typed containers of these, `Optional`/unions cattrs can tell apart,
 `datetime`/`date`, `UUID`, `Decimal` (kept exact, as a string) and enums.
+
+The text is orjson's when orjson is installed and agrees with the standard library
+(`_quick`), the standard library's otherwise.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import decimal
 import functools
 import json
 import math
+import types
 import typing
 import uuid
 from typing import Any
@@ -22,6 +26,12 @@ import cattrs
 import cattrs.preconf.json
 
 from workflow.errors import DecodeError, EncodeError
+
+_orjson: types.ModuleType | None
+try:
+    import orjson as _orjson
+except ImportError:  # a platform without its wheel: the standard library does it all
+    _orjson = None
 
 _converter = cattrs.preconf.json.make_converter()
 
@@ -135,6 +145,29 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _parse_encoded = json.JSONDecoder(object_pairs_hook=_unique_keys).decode
 
 
+def _quick(plain: Any) -> tuple[str, Any] | None:
+    """orjson's text for the unstructured `plain` and that text parsed, when both are what
+    the standard library would give; None when orjson cannot say (then `_dumps` and
+    `_parse_encoded` decide, and raise what they raise).
+
+    orjson writes the same compact text (a number may be spelt otherwise, `1e-7` for
+    `1e-07`, the same value), but it refuses some values the standard
+    library takes (integers past 64 bits, keys that are not strings) and takes some it
+    refuses or would write otherwise (NaN and infinities as null, datetimes, dataclass
+    instances); those come back as None here, or parse to a document that differs
+    from `plain`. With string keys only, no two members of an object can clash."""
+    if _orjson is None:
+        return None
+    try:
+        raw = _orjson.dumps(plain)
+        document = _orjson.loads(raw)
+    except (TypeError, ValueError):  # orjson's encode and decode errors are both
+        return None
+    if document != plain:
+        return None
+    return raw.decode(), document
+
+
 def encode(value: Any, tp: Any) -> str:
     """JSON text for `value` as type `tp`.
 
@@ -157,9 +190,14 @@ def encode_document(value: Any, tp: Any) -> tuple[str, Any, Any]:
             f"{_name(tp)}"
         )
     try:
-        text = _dumps(_converter.unstructure(value, unstructure_as=tp))
-        text.encode("utf-8")  # an unpaired surrogate cannot be sent to PostgreSQL
-        document = _parse_encoded(text)
+        plain = _converter.unstructure(value, unstructure_as=tp)
+        quick = _quick(plain)
+        if quick is None:
+            text = _dumps(plain)
+            text.encode("utf-8")  # an unpaired surrogate cannot be sent to PostgreSQL
+            document = _parse_encoded(text)
+        else:
+            text, document = quick
     except RecursionError:
         raise EncodeError(f"cannot encode {_name(tp)}: the value is nested too deep") from None
     except _DuplicateKey as e:
