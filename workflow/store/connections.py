@@ -31,6 +31,7 @@ from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from workflow.errors import ThreadNotStarted, WorkflowError
 from workflow.logs import EngineLog
+from workflow.store.direct import Direct
 
 CONNECT_TIMEOUT = 10
 """Seconds to wait for the server, unless the URL or `$PGCONNECT_TIMEOUT` says otherwise."""
@@ -187,6 +188,7 @@ class Connections:
     ) -> None:
         self.pool = pool
         self._queries = queries or {}
+        self._direct = Direct(self._queries)
         self._log = log
         self._keep_warm = keep_warm
         self._clock = clock
@@ -326,6 +328,13 @@ class Connections:
         try:
             if cursor is None:
                 cursor = conn.cursor(row_factory=tuple_row)
+            direct = self._direct.statement(sql)
+            if direct is not None and self._direct.suits(conn):
+                found = self._direct.execute(conn, direct, params)
+                if found is not None:
+                    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+                        reuse = cursor
+                    return found
             if conn.autocommit:  # always, on a pool the Manager built
                 rows = cursor.execute(sql, params).fetchall()
             else:
