@@ -172,7 +172,8 @@ def test_parameters_of_other_kinds_go_through_psycopg(one_connection: Any) -> No
 
 
 @pytest.mark.parametrize(
-    "value", [1.5, b"x", bytearray(b"x"), [1], datetime.date(2026, 1, 1), True.__class__]
+    "value",
+    [1.5, b"x", bytearray(b"x"), [1], datetime.date(2026, 1, 1), True.__class__, "a\x00b"],
 )
 def test_dump_refuses_kinds_it_does_not_write(value: Any) -> None:
     with pytest.raises(TypeError):
@@ -224,3 +225,18 @@ def test_a_statement_prepared_where_the_registry_did_not_see_it_is_used(
         conn.pgconn.prepare(statement.name, statement.text)  # behind the registry's back
     params = insert_params()
     assert connections.once("insert_run", params) == [(params["id"], None, True)]
+
+
+def test_a_string_holding_nul_is_refused_as_psycopg_refuses_it(one_connection: Any) -> None:
+    """libpq would send the text up to the NUL and store it cut short."""
+    connections = Connections(one_connection, LOG, queries=_Q)
+    with pytest.raises(psycopg.DataError):
+        connections.once("insert_run", insert_params(workflow="Direct.\x00Cut"))
+
+
+def test_a_connection_in_pipeline_mode_takes_no_direct_statement(db_url: str) -> None:
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        direct = Direct(_Q)
+        assert direct.suits(conn)
+        with conn.pipeline():
+            assert not direct.suits(conn)

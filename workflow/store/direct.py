@@ -11,10 +11,12 @@ Only statements of `DIRECT` go this way, only with parameters of the kinds `_dum
 writes (anything else, a list or bytes say, goes through psycopg as before) and only
 on a connection that may prepare statements (never one with `prepare_threshold=None`,
 as `make_pool(prepared=False)` makes for PgBouncer), with no transaction open (the
-statement is its own transaction, as psycopg's autocommit would make it) and UTF-8
-client encoding. Each statement is prepared once per connection under a name
-of its own, its parameters' types inferred by the server from the statement's text
-(every parameter of `DIRECT` is cast or compared with a column). Columns are read by
+statement is its own transaction, as psycopg's autocommit would make it), not in
+pipeline mode, and with UTF-8 client encoding. A string holding NUL goes through
+psycopg too, which refuses it (libpq would cut it short). Each statement is
+prepared once per connection under a name of its own, its parameters' types
+inferred by the server from the statement's text (every parameter of `DIRECT` is
+cast or compared with a column). Columns are read by
 their type: text, integers, booleans, uuids; `void` (a `pg_notify`) reads as text, as
 psycopg reads it.
 
@@ -22,8 +24,9 @@ Errors are psycopg's own: a result carrying an SQLSTATE raises that state's clas
 (`psycopg.errors.error_from_result`), and a connection that broke raises
 `psycopg.OperationalError` without one, which `connection_lost` takes as lost. The
 call blocks in libpq with the GIL released; unlike psycopg's wait it cannot be
-interrupted by Ctrl-C before the reply comes (these statements never wait on a lock
-a person could hold: no idempotency key, no concurrency key).
+interrupted by Ctrl-C before the reply comes. The steps wait on no lock a person
+holds; a start with an idempotency key may wait for a transaction holding the same
+key, at most `KEY_WAIT` seconds (its statement sets `lock_timeout`).
 """
 
 from __future__ import annotations
@@ -92,6 +95,8 @@ def _dump(value: Any) -> bytes | None:
         return None
     kind = type(value)
     if kind is str:
+        if "\x00" in value:  # libpq would cut the text there; psycopg refuses it
+            raise TypeError("not written directly: a string holding NUL")
         return value.encode()  # type: ignore[no-any-return]
     if kind is bool:
         return b"t" if value else b"f"
@@ -116,9 +121,11 @@ class Direct:
 
     def suits(self, conn: psycopg.Connection[Any]) -> bool:
         """Whether `conn` may take direct statements (see the module's docstring)."""
+        pgconn = conn.pgconn
         return (
             conn.prepare_threshold is not None
-            and conn.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            and pgconn.transaction_status == pq.TransactionStatus.IDLE
+            and pgconn.pipeline_status == pq.PipelineStatus.OFF
             and conn.info.encoding == "utf-8"
         )
 
