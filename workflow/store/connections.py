@@ -328,16 +328,13 @@ class Connections:
         try:
             if cursor is None:
                 cursor = conn.cursor(row_factory=tuple_row)
+            rows: Rows | None = None
             direct = self._direct.statement(sql)
             if direct is not None and self._direct.suits(conn):
-                found = self._direct.execute(conn, direct, params)
-                if found is not None:
-                    if conn.info.transaction_status == pq.TransactionStatus.IDLE:
-                        reuse = cursor
-                    return found
-            if conn.autocommit:  # always, on a pool the Manager built
+                rows = self._direct.execute(conn, direct, params)
+            if rows is None and conn.autocommit:  # always, on a pool the Manager built
                 rows = cursor.execute(sql, params).fetchall()
-            else:
+            elif rows is None:
                 with autocommit(conn):
                     rows = cursor.execute(sql, params).fetchall()
             if conn.info.transaction_status == pq.TransactionStatus.IDLE:
