@@ -22,6 +22,7 @@ from pgbouncer import runner_config
 from psycopg_pool import ConnectionPool
 
 import workflow
+import workflow.events
 
 WF = workflow.Workflow("Fast.Path", str)
 ONE = workflow.Task("fast.one", str)
@@ -453,3 +454,91 @@ def test_fast_path_handler_sees_the_stored_input_not_the_callers_object(
     assert Cart.input(mgr, run.id) == {"items": [1, 2]}
     assert seen == [{"items": [1, 2]}]
     assert seen[0] is not cart
+
+
+# An interrupt (Ctrl-C, or the SystemExit of a server telling its worker to quit) that
+# lands in `start()` after the insert committed, before the run reached a thread. The run
+# was inserted claimed by this process: its slot must come back, and the run must not
+# sit claimed by nobody until a sweeper takes the claim (`sweep_max_age`, 600 s).
+
+
+def _interrupt_once(mgr: workflow.Manager, kind: type[workflow.events.Event]) -> list[str]:
+    """Raise KeyboardInterrupt from a subscriber at the first event of `kind`; the ids of
+    the runs it interrupted."""
+    hit: list[str] = []
+
+    def subscriber(event: workflow.events.Event) -> None:
+        if isinstance(event, kind) and not hit:
+            hit.append(str(event.run_id))
+            raise KeyboardInterrupt
+
+    mgr.events.subscribe(subscriber)
+    return hit
+
+
+def test_a_start_interrupted_after_its_insert_gives_back_its_slot_and_its_claim(
+    make_manager: Any, h: Handlers, db: psycopg.Connection[Any]
+) -> None:
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
+    hit = _interrupt_once(mgr, workflow.events.RunStarted)
+    with pytest.raises(KeyboardInterrupt):
+        WF.start(mgr, "interrupted")
+    (run_id,) = hit
+    # Its claim was released: a wait() kicks it onto the fast path at once. Before,
+    # it stayed claimed by no execution (and the only slot stayed taken).
+    assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
+    later = WF.start(mgr, "later")
+    wait_for_status(db, later.id, "succeeded")  # on the fast path: no poller, no wait()
+    assert [h.count(t, "interrupted") for t in ("fast.one", "fast.two", "fast.three")] == [
+        1, 1, 1,
+    ]
+
+
+def test_a_launch_interrupted_before_its_thread_took_the_run_leaves_nothing_admitted(
+    make_manager: Any, h: Handlers, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
+    real_start = threading.Thread.start
+
+    def start(thread: threading.Thread) -> None:
+        if thread.name.startswith("workflow-run_"):
+            raise KeyboardInterrupt  # in the wait for the run's first thread to start
+        real_start(thread)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        WF.start(mgr, "interrupted")
+    monkeypatch.undo()
+    rows = db.execute("SELECT id FROM workflow_runs WHERE input = %s", ('"interrupted"',))
+    (run_id,) = [str(r[0]) for r in rows]
+    assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
+    later = WF.start(mgr, "later")
+    wait_for_status(db, later.id, "succeeded")
+    # Nothing is counted in flight: a drain finds the executor idle at once.
+    assert mgr._executor.drain(timeout=0) is True
+
+
+def test_a_launch_interrupted_after_its_thread_took_the_run_leaves_the_run_to_it(
+    make_manager: Any, h: Handlers, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
+    fastpath = mgr._fastpath
+    threads = fastpath._threads
+    real_submit = threads.submit
+
+    def submit(fn: Any, job: Any) -> None:
+        real_submit(fn, job)
+        h.wait_entered()  # the run's thread is inside its first handler
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threads, "submit", submit)
+    with pytest.raises(KeyboardInterrupt):
+        WF.start(mgr, BLOCK)
+    monkeypatch.undo()
+    rows = db.execute("SELECT id, claim_id FROM workflow_runs WHERE input = %s", (f'"{BLOCK}"',))
+    ((run_id, claim_id),) = rows.fetchall()
+    assert claim_id is not None  # still its thread's
+    h.gate.set()
+    assert mgr.run(str(run_id)).wait(timeout=20) is workflow.Status.SUCCEEDED
+    assert [h.count(t, BLOCK) for t in ("fast.one", "fast.two", "fast.three")] == [1, 1, 1]
+    assert mgr._executor.drain(timeout=10) is True

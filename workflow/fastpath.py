@@ -61,21 +61,56 @@ class FastPath:
     def launch(self, run: ClaimedRun, input: Any = NO_INPUT) -> bool:
         """Execute `run` on the fast path's threads; the caller holds a slot. False when
         no thread took it (shut down since the slot was taken, or no thread could
-        start): its claim is then released, and the slot given back."""
+        start): its claim is then released, and the slot given back.
+
+        An interrupt (Ctrl-C, a SystemExit) that lands here before a thread took the run
+        does the same before it goes on up; one that lands after leaves the run to its
+        thread."""
         executor = self._executor
+        job = _Job(run, input)
         self._endings.executing(run.id)
         executor.admit()
         try:
-            self._threads.submit(self._execute, (run, input))
+            self._threads.submit(self._execute, job)
         except RuntimeError:
-            executor.dismiss()
-            self.release_slot()
-            try:
-                executor.store.release_claim(run.id, run.claim_id)
-            finally:  # a waiter must not wait on an execution that never began
-                self._endings.abandoned(run.id)
+            self._take_back(job, quietly=False)
             return False
+        except BaseException:
+            self._take_back(job, quietly=True)
+            raise
         return True
+
+    def abandon(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
+        """Give back the slot and the claim of a run inserted claimed for this fast path
+        and never launched (an interrupt came first); raises nothing."""
+        self.release_slot()
+        self._release(run_id, claim_id, quietly=True)
+
+    def _take_back(self, job: _Job, *, quietly: bool) -> None:
+        """`launch` failed: undo it, unless a thread took `job` after all."""
+        with self._lock:
+            if job.taken:
+                return
+            job.dropped = True  # a thread that finds it queued passes it by
+        self._executor.dismiss()
+        self.release_slot()
+        try:
+            self._release(job.run.id, job.run.claim_id, quietly=quietly)
+        finally:  # a waiter must not wait on an execution that never began
+            self._endings.abandoned(job.run.id)
+
+    def _release(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, quietly: bool) -> None:
+        """Let go of a run's claim so that a poller or a `wait()` claims it at once; with
+        `quietly`, a failure to is logged (a sweeper releases the claim later)."""
+        try:
+            self._executor.store.release_claim(run_id, claim_id)
+        except Exception:
+            if not quietly:
+                raise
+            self._executor.log.exception(
+                "could not release the claim of run %s after an interrupt; a sweeper "
+                "releases it once it is stale", run_id,
+            )
 
     def kick(self, run_id: uuid.UUID) -> bool:
         """Claim `run_id` by id and execute it here, if it is claimable now and there is room.
@@ -102,9 +137,25 @@ class FastPath:
         """Refuse new launches; the threads stop after what is queued."""
         self._threads.shutdown(wait=False)
 
-    def _execute(self, job: tuple[ClaimedRun, Any]) -> None:
-        run, input = job
+    def _execute(self, job: _Job) -> None:
+        with self._lock:
+            if job.dropped:
+                return
+            job.taken = True
         try:
-            self._executor.execute(run, input=input)
+            self._executor.execute(job.run, input=job.input)
         finally:
             self.release_slot()
+
+
+class _Job:
+    """A run handed to the fast path's threads; `taken` by one, or `dropped` by a launch
+    that an interrupt ended first (under `FastPath._lock`)."""
+
+    __slots__ = ("dropped", "input", "run", "taken")
+
+    def __init__(self, run: ClaimedRun, input: Any) -> None:
+        self.run = run
+        self.input = input
+        self.taken = False
+        self.dropped = False

@@ -277,12 +277,11 @@ class Starter:
                     "a run that is not visible yet (started in a transaction still open)"
                 )
             return existing, False
-        if self._events.active:
-            self._events.emit(RunStarted(run_id, wf.name))
-            if all_skipped:
-                self._events.emit(RunFinished(run_id, wf.name, Status.SUCCEEDED))
-        if fast:
-            assert claim_id is not None
+        if not fast:
+            self._announce(run_id, wf.name, all_skipped)
+            return run_id, True
+        assert claim_id is not None
+        try:  # a subscriber's interrupt, say: the run is not launched here
             claimed = ClaimedRun(
                 id=run_id,
                 workflow=wf.name,
@@ -298,8 +297,18 @@ class Starter:
                 tracestate=tracestate,
                 concurrency_key=concurrency_key,
             )
-            fastpath.launch(claimed, stored_input)
+            self._announce(run_id, wf.name, all_skipped)
+        except BaseException:
+            fastpath.abandon(run_id, claim_id)
+            raise
+        fastpath.launch(claimed, stored_input)
         return run_id, True
+
+    def _announce(self, run_id: uuid.UUID, workflow: str, all_skipped: bool) -> None:
+        if self._events.active:
+            self._events.emit(RunStarted(run_id, workflow))
+            if all_skipped:
+                self._events.emit(RunFinished(run_id, workflow, Status.SUCCEEDED))
 
     def _check_same_database(self, conn: psycopg.Connection[Any]) -> None:
         """`WorkflowError` unless `conn` is on this manager's database.
