@@ -240,3 +240,18 @@ def test_a_connection_in_pipeline_mode_takes_no_direct_statement(db_url: str) ->
         assert direct.suits(conn)
         with conn.pipeline():
             assert not direct.suits(conn)
+
+
+@pytest.mark.parametrize("encoding", ["LATIN1", "SQL_ASCII"])
+def test_a_connection_in_another_client_encoding_takes_no_direct_statement(
+    db_url: str, encoding: str
+) -> None:
+    """Direct statements send and read UTF-8; psycopg converts for any other encoding."""
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        direct = Direct(_Q)
+        assert direct.suits(conn)
+        conn.execute(f"SET client_encoding TO {encoding}")
+        assert not direct.suits(conn)
+        conn.execute("SET client_encoding TO 'utf8'")  # the server reports its own name
+        assert direct.suits(conn)
+

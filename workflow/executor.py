@@ -511,7 +511,7 @@ class _Execution:
             self.lost()
         self.unrecorded = None
         if document is not None:
-            self.tasks[seq - 1] = attrs.evolve(row, has_output=True, output=plain)
+            self.tasks[seq - 1] = row.with_output(plain)
             self.outputs[row.name] = self.tasks[seq - 1]
         if executor.events.active:
             self.attempt_ended(ran, Outcome.SUCCEEDED, None)

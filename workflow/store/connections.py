@@ -337,7 +337,7 @@ class Connections:
             elif rows is None:
                 with autocommit(conn):
                     rows = cursor.execute(sql, params).fetchall()
-            if conn.info.transaction_status == pq.TransactionStatus.IDLE:
+            if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
                 reuse = cursor
             return rows
         finally:

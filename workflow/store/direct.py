@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import uuid
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import psycopg
@@ -47,6 +47,7 @@ DIRECT = ("insert_run", "complete_task", "insert_runs", "complete_tasks")
 """The statements made through libpq: the fast path's start and steps, alone and combined."""
 
 Rows = list[tuple[Any, ...]]
+Reader = Callable[[bytes | None], Any]
 
 _PARAMETER = re.compile(r"%\((\w+)\)s")
 _SQLSTATE = pq.DiagnosticField.SQLSTATE
@@ -54,10 +55,12 @@ _NO_SUCH_STATEMENT = b"26000"
 _ALREADY_PREPARED = b"42P05"  # by a store that had not told this process's registry
 
 # Per connection, the statement names prepared on it, whichever store's `Direct` did it
-# (a Manager's store and an Admin's may share a pool); gone with the connection.
-_PREPARED: weakref.WeakKeyDictionary[psycopg.Connection[Any], set[bytes]] = (
-    weakref.WeakKeyDictionary()
-)
+# (a Manager's store and an Admin's may share a pool), each with how its columns read
+# (None until its first result; a prepared statement's column types never change, the
+# server refuses to run it instead); gone with the connection.
+_PREPARED: weakref.WeakKeyDictionary[
+    psycopg.Connection[Any], dict[bytes, tuple[Reader, ...] | None]
+] = weakref.WeakKeyDictionary()
 
 # Column types by OID: how their text reads.
 _BOOL, _INT8, _INT2, _INT4, _TEXT, _VARCHAR, _NAME, _UUID, _VOID = (
@@ -126,7 +129,7 @@ class Direct:
             conn.prepare_threshold is not None
             and pgconn.transaction_status == pq.TransactionStatus.IDLE
             and pgconn.pipeline_status == pq.PipelineStatus.OFF
-            and conn.info.encoding == "utf-8"
+            and pgconn.parameter_status(b"client_encoding") == b"UTF8"
         )
 
     def execute(
@@ -141,21 +144,26 @@ class Direct:
         pgconn = conn.pgconn
         prepared = _PREPARED.get(conn)
         if prepared is None:
-            prepared = _PREPARED[conn] = set()
+            prepared = _PREPARED[conn] = {}
         for _ in range(2):
             if statement.name not in prepared:
                 result = pgconn.prepare(statement.name, statement.text)
                 if result.error_field(_SQLSTATE) != _ALREADY_PREPARED:
                     _check(pgconn, result, pq.ExecStatus.COMMAND_OK)
-                prepared.add(statement.name)
+                prepared[statement.name] = None
             # libpq takes None for NULL; the stub says only buffers.
             result = pgconn.exec_prepared(statement.name, values)  # type: ignore[arg-type]
             if result.error_field(_SQLSTATE) != _NO_SUCH_STATEMENT:
                 break
             # Gone from the session (a DISCARD ALL): nothing ran; prepare it again.
-            prepared.discard(statement.name)
+            del prepared[statement.name]
         _check(pgconn, result, pq.ExecStatus.TUPLES_OK)
-        return _rows(result)
+        readers = prepared.get(statement.name)
+        if readers is None:
+            readers = prepared[statement.name] = tuple(
+                _reader(result.ftype(i)) for i in range(result.nfields)
+            )
+        return _rows(result, readers)
 
 
 def _check(pgconn: pq.abc.PGconn, result: pq.abc.PGresult, ok: pq.ExecStatus) -> None:
@@ -167,16 +175,15 @@ def _check(pgconn: pq.abc.PGconn, result: pq.abc.PGresult, ok: pq.ExecStatus) ->
     raise psycopg.OperationalError(message.strip() or "the connection was lost")
 
 
-def _rows(result: pq.abc.PGresult) -> Rows:
-    readers = [_reader(result.ftype(i)) for i in range(result.nfields)]
+def _rows(result: pq.abc.PGresult, readers: tuple[Reader, ...]) -> Rows:
     get = result.get_value
     rows: Rows = []
     for row in range(result.ntuples):
-        rows.append(tuple(read(get(row, i)) for i, read in enumerate(readers)))
+        rows.append(tuple([read(get(row, i)) for i, read in enumerate(readers)]))
     return rows
 
 
-def _reader(oid: int) -> Any:
+def _reader(oid: int) -> Reader:
     if oid in _TEXTS:
         return _text
     if oid in _INTEGERS:

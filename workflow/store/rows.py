@@ -22,6 +22,13 @@ class TaskRow:
     output: Any
     failed_at: datetime.datetime | None
 
+    def with_output(self, output: Any) -> TaskRow:
+        """This row with its recorded output (`attrs.evolve`'s result, built directly: a
+        task's success is on the fast path)."""
+        return TaskRow(
+            self.seq, self.name, self.skipped, self.attempts, True, output, self.failed_at
+        )
+
 
 @attrs.frozen
 class ClaimedRun:
