@@ -8,6 +8,9 @@ included). The race of a stop right after a start is in test_lifecycle.py.
 from __future__ import annotations
 
 import threading
+import time
+
+import pytest
 
 from workflow.service import Service
 
@@ -88,3 +91,56 @@ def test_stop_from_the_services_own_thread_does_not_wait_for_itself() -> None:
     service.start()
     assert stopped.wait(10)
     service.stop(timeout=5)
+
+
+class SlowToEnd(Counting):
+    """Counting, which once told to stop takes a moment to wind down (its last write)."""
+
+    name = "test-slow-to-end"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ended = threading.Event()
+
+    def _loop(self) -> None:
+        super()._loop()
+        time.sleep(0.3)
+        self.ended.set()
+
+
+def test_a_start_interrupted_after_its_thread_started_is_stopped_and_joined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Ctrl-C in start()'s wait for the new thread, after the thread began: start() raises,
+    # the thread is told to end, a later start() starts none, and stop() waits for it.
+    real_start = threading.Thread.start
+
+    def start_then_interrupt(thread: threading.Thread) -> None:
+        real_start(thread)
+        raise KeyboardInterrupt
+
+    service = SlowToEnd()
+    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        service.start()
+    monkeypatch.undo()
+    service.start()  # stopped by the interrupt: starts nothing
+    service.stop(timeout=10)
+    assert service.ended.is_set()  # stop() waited for the thread that did start
+    assert [t for t in threading.enumerate() if t.name == SlowToEnd.name] == []
+
+
+def test_a_start_interrupted_before_its_thread_started_never_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def interrupt(thread: threading.Thread) -> None:
+        raise KeyboardInterrupt
+
+    service = Counting()
+    monkeypatch.setattr(threading.Thread, "start", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        service.start()
+    monkeypatch.undo()
+    service.start()
+    service.stop(timeout=10)  # no thread to join: returns
+    assert service.loops == 0
