@@ -254,4 +254,6 @@ def test_a_connection_in_another_client_encoding_takes_no_direct_statement(
         assert not direct.suits(conn)
         conn.execute("SET client_encoding TO 'utf8'")  # the server reports its own name
         assert direct.suits(conn)
-
+        conn.execute("SET client_encoding TO 'UNICODE'")  # kept as spelled: still UTF-8
+        assert conn.pgconn.parameter_status(b"client_encoding") == b"UNICODE"
+        assert direct.suits(conn)

@@ -15,6 +15,7 @@ from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import psycopg
 import pytest
 from helpers import FLUSH_STATS, committed_transactions, dbname_of, threads_fail_to_start
@@ -23,6 +24,7 @@ from psycopg_pool import ConnectionPool
 
 import workflow
 import workflow.events
+from workflow.store.rows import TaskRow
 
 WF = workflow.Workflow("Fast.Path", str)
 ONE = workflow.Task("fast.one", str)
@@ -476,6 +478,15 @@ def _interrupt_once(mgr: workflow.Manager, kind: type[workflow.events.Event]) ->
     return hit
 
 
+def slot_free(mgr: workflow.Manager) -> None:
+    """Wait until the fast path's slots are all free: a waiter is woken as its run ends,
+    a moment before the run's thread gives its slot back."""
+    deadline = time.monotonic() + 30
+    while mgr._fastpath._in_flight:
+        assert time.monotonic() < deadline, "a fast-path slot was never given back"
+        time.sleep(0.01)
+
+
 def test_a_start_interrupted_after_its_insert_gives_back_its_slot_and_its_claim(
     make_manager: Any, h: Handlers, db: psycopg.Connection[Any]
 ) -> None:
@@ -487,6 +498,7 @@ def test_a_start_interrupted_after_its_insert_gives_back_its_slot_and_its_claim(
     # Its claim was released: a wait() kicks it onto the fast path at once. Before,
     # it stayed claimed by no execution (and the only slot stayed taken).
     assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
+    slot_free(mgr)
     later = WF.start(mgr, "later")
     wait_for_status(db, later.id, "succeeded")  # on the fast path: no poller, no wait()
     assert [h.count(t, "interrupted") for t in ("fast.one", "fast.two", "fast.three")] == [
@@ -512,10 +524,11 @@ def test_a_launch_interrupted_before_its_thread_took_the_run_leaves_nothing_admi
     rows = db.execute("SELECT id FROM workflow_runs WHERE input = %s", ('"interrupted"',))
     (run_id,) = [str(r[0]) for r in rows]
     assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
+    slot_free(mgr)
     later = WF.start(mgr, "later")
     wait_for_status(db, later.id, "succeeded")
-    # Nothing is counted in flight: a drain finds the executor idle at once.
-    assert mgr._executor.drain(timeout=0) is True
+    # Nothing is left counted in flight (before: the interrupted run, for ever).
+    assert mgr._executor.drain(timeout=10) is True
 
 
 def test_a_launch_interrupted_after_its_thread_took_the_run_leaves_the_run_to_it(
@@ -542,3 +555,43 @@ def test_a_launch_interrupted_after_its_thread_took_the_run_leaves_the_run_to_it
     assert mgr.run(str(run_id)).wait(timeout=20) is workflow.Status.SUCCEEDED
     assert [h.count(t, BLOCK) for t in ("fast.one", "fast.two", "fast.three")] == [1, 1, 1]
     assert mgr._executor.drain(timeout=10) is True
+
+
+def test_a_start_interrupted_as_its_inserts_reply_came_releases_the_claim(
+    make_manager: Any, h: Handlers, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C pressed while the insert is on its way: the statement commits, and the
+    # interrupt is raised as its reply comes back (libpq's wait cannot be interrupted).
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
+    connections = mgr._store.connections
+    real_once = connections._once
+    insert_sql = workflow.store._Q["insert_run"]
+
+    def once(sql: str, params: dict[str, Any]) -> Any:
+        rows = real_once(sql, params)
+        if sql == insert_sql and params["workflow"] == WF.name:
+            raise KeyboardInterrupt
+        return rows
+
+    monkeypatch.setattr(connections, "_once", once)
+    with pytest.raises(KeyboardInterrupt):
+        WF.start(mgr, "interrupted")
+    monkeypatch.undo()
+    rows = db.execute(
+        "SELECT id, claim_id FROM workflow_runs WHERE input = %s", ('"interrupted"',)
+    ).fetchall()
+    ((run_id, claim_id),) = rows
+    assert claim_id is None  # released: before, claimed by no execution for sweep_max_age
+    assert mgr.run(str(run_id)).wait(timeout=20) is workflow.Status.SUCCEEDED
+    slot_free(mgr)
+    later = WF.start(mgr, "later")
+    wait_for_status(db, later.id, "succeeded")
+
+
+def test_a_task_rows_recorded_output_is_the_row_evolved() -> None:
+    row = TaskRow(seq=2, name="fast.two", skipped=False, attempts=3, has_output=False,
+                  output=None, failed_at=datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC))
+    assert row.with_output({"a": [1]}) == attrs.evolve(row, has_output=True, output={"a": [1]})
+    assert [f.name for f in attrs.fields(TaskRow)] == [
+        "seq", "name", "skipped", "attempts", "has_output", "output", "failed_at",
+    ]  # with_output names each: a field added here must be added there

@@ -65,12 +65,13 @@ class FastPath:
 
         An interrupt (Ctrl-C, a SystemExit) that lands here before a thread took the run
         does the same before it goes on up; one that lands after leaves the run to its
-        thread."""
-        executor = self._executor
+        thread. (An interrupt comes between two bytecodes: one that lands right inside
+        the executor's count, before `admitted` is set, still leaves it counted.)"""
         job = _Job(run, input)
-        self._endings.executing(run.id)
-        executor.admit()
         try:
+            self._endings.executing(run.id)
+            self._executor.admit()
+            job.admitted = True
             self._threads.submit(self._execute, job)
         except RuntimeError:
             self._take_back(job, quietly=False)
@@ -87,12 +88,13 @@ class FastPath:
         self._release(run_id, claim_id, quietly=True)
 
     def _take_back(self, job: _Job, *, quietly: bool) -> None:
-        """`launch` failed: undo it, unless a thread took `job` after all."""
+        """`launch` failed: undo what it did, unless a thread took `job` after all."""
         with self._lock:
             if job.taken:
                 return
             job.dropped = True  # a thread that finds it queued passes it by
-        self._executor.dismiss()
+        if job.admitted:
+            self._executor.dismiss()
         self.release_slot()
         try:
             self._release(job.run.id, job.run.claim_id, quietly=quietly)
@@ -100,10 +102,11 @@ class FastPath:
             self._endings.abandoned(job.run.id)
 
     def _release(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, quietly: bool) -> None:
-        """Let go of a run's claim so that a poller or a `wait()` claims it at once; with
-        `quietly`, a failure to is logged (a sweeper releases the claim later)."""
+        """Let go of a run's claim so that a poller or a `wait()` claims it at once. With
+        `quietly` (after an interrupt) it is tried once, and a failure is logged: a
+        sweeper releases the claim once it is stale."""
         try:
-            self._executor.store.release_claim(run_id, claim_id)
+            self._executor.store.release_claim(run_id, claim_id, once=quietly)
         except Exception:
             if not quietly:
                 raise
@@ -152,10 +155,11 @@ class _Job:
     """A run handed to the fast path's threads; `taken` by one, or `dropped` by a launch
     that an interrupt ended first (under `FastPath._lock`)."""
 
-    __slots__ = ("dropped", "input", "run", "taken")
+    __slots__ = ("admitted", "dropped", "input", "run", "taken")
 
     def __init__(self, run: ClaimedRun, input: Any) -> None:
         self.run = run
         self.input = input
+        self.admitted = False  # counted by the executor: `launch` got that far
         self.taken = False
         self.dropped = False

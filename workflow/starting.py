@@ -259,9 +259,16 @@ class Starter:
                 "transaction still open (a start_tx() of this key not committed yet, maybe "
                 "on this very thread): commit or roll back that transaction first"
             ) from e
-        except BaseException:
+        except Exception:
             if fast:
                 fastpath.release_slot()
+            raise
+        except BaseException:
+            # An interrupt, maybe raised as the insert's reply came (a direct statement
+            # cannot be interrupted before): the run may be committed, claimed for us.
+            if fast:
+                assert claim_id is not None
+                fastpath.abandon(run_id, claim_id)
             raise
         if inserted is not None and fast and not inserted[1]:
             fast = False  # its key is busy: it waits for a poller

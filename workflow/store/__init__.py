@@ -766,23 +766,25 @@ class Store:
         retry_at: datetime.datetime | None = None,
         *,
         delay: float | None = None,
+        once: bool = False,
     ) -> bool:
         """Drop a claim without ending an attempt; False when it was already lost.
 
-        Not claimable before `retry_at`, or for `delay` seconds, when given.
+        Not claimable before `retry_at`, or for `delay` seconds, when given. With
+        `once`, one try and no riding out of a lost connection (after an interrupt:
+        a sweeper releases a claim left behind).
         """
-        rows = self._run(
-            "release_claim",
-            {
-                "id": run_id,
-                "claim_id": claim_id,
-                "retry_at": retry_at,
-                "delay": delay,
-                "channel": CHANNEL,
-            },
-            "released",  # a retry whose earlier try let go of the claim finds it here
-        )
-        return bool(rows)
+        params = {
+            "id": run_id,
+            "claim_id": claim_id,
+            "retry_at": retry_at,
+            "delay": delay,
+            "channel": CHANNEL,
+        }
+        if once:
+            return bool(self.connections.once("release_claim", params))
+        # A retry whose earlier try let go of the claim finds it with `released`.
+        return bool(self._run("release_claim", params, "released"))
 
     # Reads.
 

@@ -53,6 +53,9 @@ _PARAMETER = re.compile(r"%\((\w+)\)s")
 _SQLSTATE = pq.DiagnosticField.SQLSTATE
 _NO_SUCH_STATEMENT = b"26000"
 _ALREADY_PREPARED = b"42P05"  # by a store that had not told this process's registry
+# The client encodings psycopg reads as UTF-8: none reported yet counts as UTF8, and the
+# server keeps the spelling UNICODE when a client asked for it by that name.
+_UTF8 = frozenset((None, b"UTF8", b"UNICODE"))
 
 # Per connection, the statement names prepared on it, whichever store's `Direct` did it
 # (a Manager's store and an Admin's may share a pool), each with how its columns read
@@ -129,7 +132,7 @@ class Direct:
             conn.prepare_threshold is not None
             and pgconn.transaction_status == pq.TransactionStatus.IDLE
             and pgconn.pipeline_status == pq.PipelineStatus.OFF
-            and pgconn.parameter_status(b"client_encoding") == b"UTF8"
+            and pgconn.parameter_status(b"client_encoding") in _UTF8
         )
 
     def execute(

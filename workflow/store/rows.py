@@ -26,7 +26,8 @@ class TaskRow:
         """This row with its recorded output (`attrs.evolve`'s result, built directly: a
         task's success is on the fast path)."""
         return TaskRow(
-            self.seq, self.name, self.skipped, self.attempts, True, output, self.failed_at
+            seq=self.seq, name=self.name, skipped=self.skipped, attempts=self.attempts,
+            has_output=True, output=output, failed_at=self.failed_at,
         )
 
 
