@@ -8,12 +8,14 @@ until a helper that needs psycopg or psutil is called.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 BASE_URL = os.environ.get("BENCH_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
@@ -315,3 +317,40 @@ def cpu_spent(before: dict[int, float], after: dict[int, float]) -> float:
     counts its difference, one started in between all of its time, one gone by the
     second reading nothing (so other clients' exits can never make it negative)."""
     return sum(t - before.get(pid, 0.0) for pid, t in after.items())
+
+
+@contextlib.contextmanager
+def pinned_apart(pin: bool = True) -> Iterator[None]:
+    """With `pin`, this process on the first half of the machine's cores and every
+    PostgreSQL process on this machine (the postmaster too: backends it forks later
+    inherit it) on the other half, for the block; everything back on every core
+    afterwards. Needs at least 2 cores, and the right to set the server's affinity
+    (the same user, or root)."""
+    if not pin:
+        yield
+        return
+    import psutil
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("--pin needs at least 2 cores")
+    half = len(cores) // 2
+    client, server = set(cores[:half]), cores[half:]
+    every = list(range(psutil.cpu_count() or len(cores)))
+
+    def postgres() -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["name"])
+                if p.info["name"] and "postgres" in p.info["name"]]
+
+    mine = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, client)
+    try:
+        for proc in postgres():
+            with contextlib.suppress(psutil.Error):
+                proc.cpu_affinity(server)
+        yield
+    finally:
+        for proc in postgres():
+            with contextlib.suppress(psutil.Error):
+                proc.cpu_affinity(every)
+        os.sched_setaffinity(0, mine)

@@ -22,7 +22,15 @@ per run (`pg_current_wal_lsn()`); write transactions per run (xids assigned:
 `pg_snapshot_xmax` of a snapshot before and after). Medians over the rounds of
 each engine's value, and of the per-round ratios.
 
-    PYTHONPATH=. python bench/typed.py [--threads 1,4,8] [--rounds 5] [--slice 2]
+With `--pin`, the benchmark process runs on the first half of the machine's cores and
+every PostgreSQL process (the postmaster too, so backends forked later) on the
+other half, as if the database had a machine of its own (put back on every core at
+the end). On 2 shared cores the engine's two threads a run and its server backend
+otherwise take turns on the same cores, and per-run server CPU and runs/s then
+measure that interference as much as the SQL (bench/README.md, "Client and server
+on the same two cores").
+
+    PYTHONPATH=. python bench/typed.py [--threads 1,4,8] [--rounds 5] [--slice 2] [--pin]
 """
 
 from __future__ import annotations
@@ -39,7 +47,15 @@ import psycopg
 
 import workflow
 from bench.apps import Order, OrderFlow, order_registry
-from bench.common import cpu_spent, emit, log, postgres_cpu, scratch_db, slice_loops
+from bench.common import (
+    cpu_spent,
+    emit,
+    log,
+    pinned_apart,
+    postgres_cpu,
+    scratch_db,
+    slice_loops,
+)
 from workflow.store import migrate
 
 DB = "bench_typed"
@@ -211,17 +227,20 @@ def main() -> None:
                         default=[1, 4, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--slice", type=float, default=2.0)
+    parser.add_argument("--pin", action="store_true",
+                        help="client and PostgreSQL on separate halves of the cores")
     args = parser.parse_args()
     url = scratch_db(DB, fresh=True)
     migrate(url)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(MIN_SCHEMA)
     rows = []
-    for threads in args.threads:
-        log(f"typed: {threads} thread(s)")
-        result = measure(url, threads, args.rounds, args.slice)
-        emit({"bench": "typed", "threads": threads, **result})
-        rows.append((threads, result))
+    with pinned_apart(args.pin):
+        for threads in args.threads:
+            log(f"typed: {threads} thread(s)" + (", pinned apart" if args.pin else ""))
+            result = measure(url, threads, args.rounds, args.slice)
+            emit({"bench": "typed", "threads": threads, "pinned": args.pin, **result})
+            rows.append((threads, result))
     keys = ("runs_per_s", "client_cpu_ms", "server_cpu_ms", "wal_bytes", "write_xacts")
     print(f"\n{'threads':>7}  {'':<18}" + "".join(f"{k:>15}" for k in keys))
     for threads, result in rows:
