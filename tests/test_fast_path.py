@@ -595,3 +595,33 @@ def test_a_task_rows_recorded_output_is_the_row_evolved() -> None:
     assert [f.name for f in attrs.fields(TaskRow)] == [
         "seq", "name", "skipped", "attempts", "has_output", "output", "failed_at",
     ]  # with_output names each: a field added here must be added there
+
+
+def test_a_kick_interrupted_as_its_claims_reply_came_releases_the_claim(
+    make_manager: Any, h: Handlers, db: psycopg.Connection[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ctrl-C in a wait() that kicks a start_tx run: the claim by id commits, and the
+    # interrupt is raised as its reply comes back.
+    mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
+    with mgr.pool.connection() as conn, conn.transaction():
+        run = WF.start_tx(conn, mgr, "kicked")
+    connections = mgr._store.connections
+    real_once = connections._once
+    claim_sql = workflow.store._Q["claim_run"]
+
+    def once(sql: str, params: dict[str, Any]) -> Any:
+        rows = real_once(sql, params)
+        if sql == claim_sql:
+            raise KeyboardInterrupt
+        return rows
+
+    monkeypatch.setattr(connections, "_once", once)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.kick(run.id)
+    monkeypatch.undo()
+    row = db.execute("SELECT claim_id FROM workflow_runs WHERE id = %s", (run.id,)).fetchone()
+    assert row == (None,)  # released: before, claimed by no execution for sweep_max_age
+    assert run.wait(timeout=20) is workflow.Status.SUCCEEDED
+    slot_free(mgr)
+    later = WF.start(mgr, "later")
+    wait_for_status(db, later.id, "succeeded")

@@ -82,8 +82,9 @@ class FastPath:
         return True
 
     def abandon(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
-        """Give back the slot and the claim of a run inserted claimed for this fast path
-        and never launched (an interrupt came first); raises nothing."""
+        """Give back the slot and the claim of a run inserted or claimed for this fast path
+        and never launched (an interrupt came first); raises nothing. A claim that never
+        landed is released by nothing."""
         self.release_slot()
         self._release(run_id, claim_id, quietly=True)
 
@@ -124,10 +125,16 @@ class FastPath:
         if not self.try_slot():
             return False
         executor = self._executor
+        claim_id = uuid.uuid4()
         try:
-            claimed = executor.store.claim_run(run_id, uuid.uuid4())
-        except BaseException:
+            claimed = executor.store.claim_run(run_id, claim_id)
+        except Exception:
             self.release_slot()
+            raise
+        except BaseException:
+            # An interrupt (Ctrl-C in the wait() that kicked), maybe raised as the
+            # claim's reply came: the claim may be ours, for nobody to execute.
+            self.abandon(run_id, claim_id)
             raise
         if claimed is None or executor.registry.definition(claimed.workflow) is None:
             if claimed is not None:
