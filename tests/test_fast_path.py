@@ -478,13 +478,34 @@ def _interrupt_once(mgr: workflow.Manager, kind: type[workflow.events.Event]) ->
     return hit
 
 
-def slot_free(mgr: workflow.Manager) -> None:
-    """Wait until the fast path's slots are all free: a waiter is woken as its run ends,
-    a moment before the run's thread gives its slot back."""
+def fast_path_free_again(mgr: workflow.Manager, db: psycopg.Connection[Any]) -> None:
+    """The fast path's only slot comes back (a waiter is woken as its run ends, a moment
+    before the run's thread gives the slot back), and a new start runs on it: no poller,
+    no wait()."""
     deadline = time.monotonic() + 30
     while mgr._fastpath._in_flight:
         assert time.monotonic() < deadline, "a fast-path slot was never given back"
         time.sleep(0.01)
+    later = WF.start(mgr, "later")
+    wait_for_status(db, later.id, "succeeded")
+
+
+def interrupt_after(
+    mgr: workflow.Manager, monkeypatch: pytest.MonkeyPatch, statement: str
+) -> None:
+    """Raise KeyboardInterrupt as the reply of `statement` (a name of queries.sql) comes
+    back, once it has run and committed, until `monkeypatch.undo()`."""
+    connections = mgr._store.connections
+    real_once = connections._once
+    sql = workflow.store._Q[statement]
+
+    def once(text: str, params: dict[str, Any]) -> Any:
+        rows = real_once(text, params)
+        if text == sql:
+            raise KeyboardInterrupt
+        return rows
+
+    monkeypatch.setattr(connections, "_once", once)
 
 
 def test_a_start_interrupted_after_its_insert_gives_back_its_slot_and_its_claim(
@@ -498,9 +519,7 @@ def test_a_start_interrupted_after_its_insert_gives_back_its_slot_and_its_claim(
     # Its claim was released: a wait() kicks it onto the fast path at once. Before,
     # it stayed claimed by no execution (and the only slot stayed taken).
     assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
-    slot_free(mgr)
-    later = WF.start(mgr, "later")
-    wait_for_status(db, later.id, "succeeded")  # on the fast path: no poller, no wait()
+    fast_path_free_again(mgr, db)
     assert [h.count(t, "interrupted") for t in ("fast.one", "fast.two", "fast.three")] == [
         1, 1, 1,
     ]
@@ -524,9 +543,7 @@ def test_a_launch_interrupted_before_its_thread_took_the_run_leaves_nothing_admi
     rows = db.execute("SELECT id FROM workflow_runs WHERE input = %s", ('"interrupted"',))
     (run_id,) = [str(r[0]) for r in rows]
     assert mgr.run(run_id).wait(timeout=20) is workflow.Status.SUCCEEDED
-    slot_free(mgr)
-    later = WF.start(mgr, "later")
-    wait_for_status(db, later.id, "succeeded")
+    fast_path_free_again(mgr, db)
     # Nothing is left counted in flight (before: the interrupted run, for ever).
     assert mgr._executor.drain(timeout=10) is True
 
@@ -563,17 +580,7 @@ def test_a_start_interrupted_as_its_inserts_reply_came_releases_the_claim(
     # Ctrl-C pressed while the insert is on its way: the statement commits, and the
     # interrupt is raised as its reply comes back (libpq's wait cannot be interrupted).
     mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
-    connections = mgr._store.connections
-    real_once = connections._once
-    insert_sql = workflow.store._Q["insert_run"]
-
-    def once(sql: str, params: dict[str, Any]) -> Any:
-        rows = real_once(sql, params)
-        if sql == insert_sql and params["workflow"] == WF.name:
-            raise KeyboardInterrupt
-        return rows
-
-    monkeypatch.setattr(connections, "_once", once)
+    interrupt_after(mgr, monkeypatch, "insert_run")
     with pytest.raises(KeyboardInterrupt):
         WF.start(mgr, "interrupted")
     monkeypatch.undo()
@@ -583,9 +590,7 @@ def test_a_start_interrupted_as_its_inserts_reply_came_releases_the_claim(
     ((run_id, claim_id),) = rows
     assert claim_id is None  # released: before, claimed by no execution for sweep_max_age
     assert mgr.run(str(run_id)).wait(timeout=20) is workflow.Status.SUCCEEDED
-    slot_free(mgr)
-    later = WF.start(mgr, "later")
-    wait_for_status(db, later.id, "succeeded")
+    fast_path_free_again(mgr, db)
 
 
 def test_a_task_rows_recorded_output_is_the_row_evolved() -> None:
@@ -605,23 +610,11 @@ def test_a_kick_interrupted_as_its_claims_reply_came_releases_the_claim(
     mgr = make_manager(three_tasks(h), workflow.Config(max_local_runs=1))
     with mgr.pool.connection() as conn, conn.transaction():
         run = WF.start_tx(conn, mgr, "kicked")
-    connections = mgr._store.connections
-    real_once = connections._once
-    claim_sql = workflow.store._Q["claim_run"]
-
-    def once(sql: str, params: dict[str, Any]) -> Any:
-        rows = real_once(sql, params)
-        if sql == claim_sql:
-            raise KeyboardInterrupt
-        return rows
-
-    monkeypatch.setattr(connections, "_once", once)
+    interrupt_after(mgr, monkeypatch, "claim_run")
     with pytest.raises(KeyboardInterrupt):
         mgr.kick(run.id)
     monkeypatch.undo()
     row = db.execute("SELECT claim_id FROM workflow_runs WHERE id = %s", (run.id,)).fetchone()
     assert row == (None,)  # released: before, claimed by no execution for sweep_max_age
     assert run.wait(timeout=20) is workflow.Status.SUCCEEDED
-    slot_free(mgr)
-    later = WF.start(mgr, "later")
-    wait_for_status(db, later.id, "succeeded")
+    fast_path_free_again(mgr, db)

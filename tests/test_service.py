@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -108,6 +109,22 @@ class SlowToEnd(Counting):
         self.ended.set()
 
 
+def start_interrupted_then_stop(
+    service: Service,
+    monkeypatch: pytest.MonkeyPatch,
+    start: Callable[[threading.Thread], None],
+) -> None:
+    """`service.start()` with `Thread.start` replaced by `start` (which raises
+    KeyboardInterrupt), then `start()` again (stopped by the interrupt: it starts
+    nothing) and `stop()`."""
+    monkeypatch.setattr(threading.Thread, "start", start)
+    with pytest.raises(KeyboardInterrupt):
+        service.start()
+    monkeypatch.undo()
+    service.start()
+    service.stop(timeout=10)
+
+
 def test_a_start_interrupted_after_its_thread_started_is_stopped_and_joined(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -120,12 +137,7 @@ def test_a_start_interrupted_after_its_thread_started_is_stopped_and_joined(
         raise KeyboardInterrupt
 
     service = SlowToEnd()
-    monkeypatch.setattr(threading.Thread, "start", start_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        service.start()
-    monkeypatch.undo()
-    service.start()  # stopped by the interrupt: starts nothing
-    service.stop(timeout=10)
+    start_interrupted_then_stop(service, monkeypatch, start_then_interrupt)
     assert service.ended.is_set()  # stop() waited for the thread that did start
     assert [t for t in threading.enumerate() if t.name == SlowToEnd.name] == []
 
@@ -137,10 +149,5 @@ def test_a_start_interrupted_before_its_thread_started_never_starts(
         raise KeyboardInterrupt
 
     service = Counting()
-    monkeypatch.setattr(threading.Thread, "start", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        service.start()
-    monkeypatch.undo()
-    service.start()
-    service.stop(timeout=10)  # no thread to join: returns
+    start_interrupted_then_stop(service, monkeypatch, interrupt)  # no thread to join
     assert service.loops == 0

@@ -81,31 +81,12 @@ class FastPath:
             raise
         return True
 
-    def abandon(self, run_id: uuid.UUID, claim_id: uuid.UUID) -> None:
+    def abandon(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, quietly: bool = True) -> None:
         """Give back the slot and the claim of a run inserted or claimed for this fast path
-        and never launched (an interrupt came first); raises nothing. A claim that never
-        landed is released by nothing."""
+        and never launched, so that a poller or a `wait()` claims it at once. A claim that
+        never landed is released by nothing. `quietly` (after an interrupt): one try, and
+        a failure is logged, not raised (a sweeper releases the claim once it is stale)."""
         self.release_slot()
-        self._release(run_id, claim_id, quietly=True)
-
-    def _take_back(self, job: _Job, *, quietly: bool) -> None:
-        """`launch` failed: undo what it did, unless a thread took `job` after all."""
-        with self._lock:
-            if job.taken:
-                return
-            job.dropped = True  # a thread that finds it queued passes it by
-        if job.admitted:
-            self._executor.dismiss()
-        self.release_slot()
-        try:
-            self._release(job.run.id, job.run.claim_id, quietly=quietly)
-        finally:  # a waiter must not wait on an execution that never began
-            self._endings.abandoned(job.run.id)
-
-    def _release(self, run_id: uuid.UUID, claim_id: uuid.UUID, *, quietly: bool) -> None:
-        """Let go of a run's claim so that a poller or a `wait()` claims it at once. With
-        `quietly` (after an interrupt) it is tried once, and a failure is logged: a
-        sweeper releases the claim once it is stale."""
         try:
             self._executor.store.release_claim(run_id, claim_id, once=quietly)
         except Exception:
@@ -115,6 +96,19 @@ class FastPath:
                 "could not release the claim of run %s after an interrupt; a sweeper "
                 "releases it once it is stale", run_id,
             )
+
+    def _take_back(self, job: _Job, *, quietly: bool) -> None:
+        """`launch` failed: undo what it did, unless a thread took `job` after all."""
+        with self._lock:
+            if job.taken:
+                return
+            job.dropped = True  # a thread that finds it queued passes it by
+        if job.admitted:
+            self._executor.dismiss()
+        try:
+            self.abandon(job.run.id, job.run.claim_id, quietly=quietly)
+        finally:  # a waiter must not wait on an execution that never began
+            self._endings.abandoned(job.run.id)
 
     def kick(self, run_id: uuid.UUID) -> bool:
         """Claim `run_id` by id and execute it here, if it is claimable now and there is room.

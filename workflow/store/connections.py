@@ -332,11 +332,12 @@ class Connections:
             direct = self._direct.statement(sql)
             if direct is not None and self._direct.suits(conn):
                 rows = self._direct.execute(conn, direct, params)
-            if rows is None and conn.autocommit:  # always, on a pool the Manager built
-                rows = cursor.execute(sql, params).fetchall()
-            elif rows is None:
-                with autocommit(conn):
+            if rows is None:  # not a direct statement, or parameters it does not write
+                if conn.autocommit:  # always, on a pool the Manager built
                     rows = cursor.execute(sql, params).fetchall()
+                else:
+                    with autocommit(conn):
+                        rows = cursor.execute(sql, params).fetchall()
             if conn.pgconn.transaction_status == pq.TransactionStatus.IDLE:
                 reuse = cursor
             return rows
