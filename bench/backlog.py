@@ -64,7 +64,15 @@ Medians over rounds; the ratios pgworkflow/peer are per round, then medianed.
 
     PYTHONPATH=. python bench/backlog.py [--n 10000] [--consumers 1,4,8] [--rounds 2]
         [--systems pgworkflow,pgqueuer,procrastinate] [--start warm|cold|frozen] [--analyze]
-        [--concurrency 16] [--pgq-batch-size 10]
+        [--concurrency 16] [--pgq-batch-size 10] [--procrastinate-n N]
+
+`--procrastinate-n` gives Procrastinate a backlog of its own size. The full run
+(run_all.py) drains 30,000 jobs, and Procrastinate 10,000: it drains about a
+thirtieth as fast as the others here, so 30,000 would take it minutes per drain,
+while pgworkflow's drains of 10,000 lasted one or two seconds, too short to steer by
+(their ratio to PGQueuer's swung by +-25% between minutes). A smaller backlog
+favours Procrastinate, whose rate falls as its backlog grows (602 jobs/s from one
+worker on 300 jobs, about 150 on 10,000), so the ratios against it err on its side.
 
 The peers' virtualenvs are bench/.venvs/pgqueuer and bench/.venvs/procrastinate,
 created on first use from bench/peers/<name>/requirements.txt (as run_all.py does).
@@ -633,6 +641,9 @@ def main() -> None:
                    help="how the consumers start (see the module's doc): warm")
     p.add_argument("--analyze", action="store_true",
                    help="analyse the bench database after the insert (see the module's doc)")
+    p.add_argument("--procrastinate-n", type=int,
+                   help="Procrastinate's backlog, when it should differ from --n (see the "
+                        "module's doc)")
     p.add_argument("--timeout", type=float, default=240, help="seconds allowed per drain")
     args = p.parse_args()
     unknown = set(args.systems) - set(SYSTEMS)
@@ -640,6 +651,11 @@ def main() -> None:
         p.error(f"unknown systems {sorted(unknown)}")
     if args.concurrency < 1 or args.pgq_batch_size < 1:
         p.error("--concurrency and --pgq-batch-size must be at least 1")
+    args.n_of = {name: args.n for name in SYSTEMS}
+    if args.procrastinate_n is not None:
+        args.n_of["procrastinate"] = args.procrastinate_n
+    if min(args.n_of.values()) < 2:
+        p.error("a backlog needs at least 2 jobs")
     systems = {name: System(name, args.concurrency, args.pgq_batch_size)
                for name in args.systems}
     names = list(args.systems)
@@ -654,8 +670,8 @@ def main() -> None:
             k += 1
             for name in order:
                 try:
-                    res = measure(systems[name], c, args.n, args.start, args.timeout, wal,
-                                  args.analyze)
+                    res = measure(systems[name], c, args.n_of[name], args.start, args.timeout,
+                                  wal, args.analyze)
                 except Exception as e:
                     failures += 1
                     log(f"round {r + 1} C={c} {name}: FAILED: {e}")
@@ -692,7 +708,7 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
         med = {key: _median([run[key] for run in runs]) for key in KEYS}
         medians[(name, c)] = med
         row: dict[str, Any] = {"bench": "backlog", "system": name, "consumers": c,
-                               "n": args.n, "rounds": len(runs), "start": args.start,
+                               "n": args.n_of[name], "rounds": len(runs), "start": args.start,
                                "analyze": args.analyze,
                                "concurrency": args.concurrency,
                                "pgq_batch_size": args.pgq_batch_size, **med,
@@ -705,9 +721,11 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
                         a["jobs_per_s"] / b["jobs_per_s"]
                         for a in runs for b in samples[(peer, c)] if a["round"] == b["round"]]
         emit(row)
-    print(f"\nworker backlog: N={args.n} one-task jobs inserted one commit each, drained by C "
-          f"consumer processes (start: {args.start}{', analysed' if args.analyze else ''}); "
-          f"medians of {args.rounds} round(s)")
+    others = "".join(f", {name} {args.n_of[name]}" for name in names
+                     if args.n_of[name] != args.n)
+    print(f"\nworker backlog: N={args.n}{others} one-task jobs inserted one commit each, "
+          f"drained by C consumer processes (start: {args.start}"
+          f"{', analysed' if args.analyze else ''}); medians of {args.rounds} round(s)")
     print(f"{'system':<14}{'C':>3}{'jobs/s':>8}{'p10-90':>8}{'xacts':>7}{'own':>6}{'WAL B':>8}"
           f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'cons CPU':>9}{'enq/s':>7}{'conns':>6}")
     for c in args.consumers:

@@ -191,12 +191,15 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
     def rounds(system: str, c: int, key: str) -> list[float]:
         return [x for r in by.get((system, c), []) for x in r.get(f"{key}_rounds") or []]
 
-    first = bl[0]
+    first = next((r for r in bl if r["system"] == "pgworkflow"), bl[0])
+    sizes = {r["system"]: r.get("n", 0) for r in bl}
     n_rounds = max(r.get("rounds", 1) for r in bl)
     w("## Worker backlog: pgworkflow, PGQueuer, Procrastinate")
     w("")
     w(
-        f"`bench/backlog.py`: a backlog of {first.get('n', 0):,} one-task no-op jobs, inserted "
+        f"`bench/backlog.py`: a backlog of {first.get('n', 0):,} one-task no-op jobs"
+        + "".join(f" ({system}: {n:,})" for system, n in sizes.items() if n != first.get("n"))
+        + ", inserted "
         "one commit per job the way each library's users enqueue (pgworkflow: `start_tx` in "
         "its own transaction; PGQueuer: `Queries.enqueue`; Procrastinate: `defer`) while no "
         "consumer runs, then drained by C consumer processes started the way each library's "
@@ -367,7 +370,9 @@ def write_report(
     bl = s.get("backlog")
     if bl:
         w(
-            f"| method (worker backlog) | {bl['n']:,} jobs per measurement; "
+            f"| method (worker backlog) | {bl['n']:,} jobs per measurement"
+            + (f" (Procrastinate {bl['procrastinate_n']:,})" if "procrastinate_n" in bl else "")
+            + "; "
             f"{', '.join(map(str, bl['consumers']))} consumer processes; {bl['rounds']} round(s); "
             f"{', '.join(bl.get('systems') or [])} |"
         )

@@ -286,9 +286,11 @@ def main() -> None:
         paired_extra = [(3, 4)]  # the target says "from 4+ threads": 4 as well as 8
         p_runs = {1: 600, 3: 300}
         typed = {"threads": [1, 4, 8], "rounds": 5, "slice_s": 2.0}
-        # 10,000 jobs: a drain of 3,000 by eight workers lasts about half a second,
-        # mostly the workers' start (bench/README.md, the 2026-12-04 full runs).
-        backlog = {"n": 10000, "consumers": [1, 4, 8], "rounds": 2}
+        # 30,000 jobs: a drain of 10,000 by eight workers lasts about a second and its
+        # ratio to PGQueuer's swung by +-25% between minutes (bench/README.md, the
+        # 2026-12-06 01:28 run); Procrastinate, some thirty times slower, drains 10,000.
+        backlog = {"n": 30000, "procrastinate_n": 10000, "consumers": [1, 4, 8],
+                   "rounds": 2}
     meta["settings"] = {
         "rounds": rounds,
         "paired_slices": slices,
@@ -433,6 +435,8 @@ def main() -> None:
             os.path.join(HERE, "backlog.py"),
             "--n",
             str(backlog["n"]),
+            *(["--procrastinate-n", str(backlog["procrastinate_n"])]
+              if "procrastinate_n" in backlog else []),
             "--consumers",
             ",".join(map(str, backlog["consumers"])),
             "--rounds",
