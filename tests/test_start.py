@@ -631,3 +631,64 @@ def test_start_of_a_workflow_not_registered_with_the_manager_raises_and_writes_n
         unknown.start_tx(writer, mgr, Order("x", 1))
     writer.commit()
     assert counts(db) == (0, 0)
+
+
+class _Used(dict[str, str]):
+    """The engine's statements, remembering which ones were looked up."""
+
+    def __init__(self, queries: dict[str, str]) -> None:
+        super().__init__(queries)
+        self.names: list[str] = []
+
+    def __getitem__(self, name: str) -> str:
+        self.names.append(name)
+        return super().__getitem__(name)
+
+    def get(self, name: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.names.append(name)
+        return super().get(name, default)
+
+
+def test_a_start_without_an_idempotency_key_is_no_speculative_insertion(
+    make_manager: Any, rec: Recorder, writer: psycopg.Connection[Any],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # An INSERT ... ON CONFLICT is a speculative insertion, which writes a confirmation
+    # record to the WAL (48 bytes a run) even when the run has no key to conflict with.
+    used = _Used(workflow.store._Q)
+    monkeypatch.setattr(workflow.store, "_Q", used)
+    mgr = make_manager(order_registry(rec))
+
+    def inserts(start: Callable[[], object]) -> list[str]:
+        used.names.clear()
+        start()
+        return [used[name] for name in list(used.names) if name.startswith("insert")]
+
+    def in_tx(**kwargs: Any) -> None:
+        WF.start_tx(writer, mgr, Order("tx", 1), **kwargs)
+        writer.commit()
+
+    keyless = inserts(lambda: WF.start(mgr, Order("a", 1))) + inserts(in_tx)
+    keyed = inserts(lambda: WF.start(mgr, Order("b", 1), idempotency_key="b")) + inserts(
+        lambda: in_tx(idempotency_key="tx")
+    )
+    assert len(keyless) == 2 and len(keyed) == 2
+    assert not any("ON CONFLICT" in sql for sql in keyless)
+    assert all("ON CONFLICT" in sql for sql in keyed)
+
+
+def test_the_insert_without_an_idempotency_key_is_the_other_less_its_key() -> None:
+    # Two copies of one statement: whatever changes in one must change in the other.
+    plain, idempotent = (" ".join(workflow.store._Q[name].split())
+                         for name in ("insert_run", "insert_idempotent_run"))
+    key = (
+        "CASE WHEN %(key_wait)s::text IS NULL THEN %(idempotency_key)s ELSE %(idempotency_key)s "
+        "|| left(set_config('lock_timeout', %(key_wait)s, true), 0) END, "
+    )
+    conflict = (
+        "ON CONFLICT (workflow, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING "
+    )
+    for part in (key, conflict, "idempotency_key, "):
+        assert idempotent.count(part) == 1, part
+        idempotent = idempotent.replace(part, "")
+    assert plain == idempotent

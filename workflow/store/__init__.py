@@ -402,8 +402,14 @@ class Store:
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
-        # A run without a key pays nothing for keys: its statement reads no slot.
-        name = "insert_run" if concurrency_key is None else "insert_keyed_run"
+        # A run without a key pays nothing for keys: its statement reads no slot, and
+        # without an idempotency key it is no speculative insertion (`insert_run`).
+        if concurrency_key is not None:
+            name = "insert_keyed_run"
+        elif idempotency_key is not None:
+            name = "insert_idempotent_run"
+        else:
+            name = "insert_run"
         if conn is None and idempotency_key is None and concurrency_key is None:
             return self.starts.write(params)
         if conn is None:

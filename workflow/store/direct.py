@@ -43,8 +43,9 @@ from psycopg.errors import error_from_result
 
 __all__ = ["DIRECT", "Direct"]
 
-DIRECT = ("insert_run", "complete_task", "insert_runs", "complete_tasks")
-"""The statements made through libpq: the fast path's start and steps, alone and combined."""
+DIRECT = ("insert_run", "insert_idempotent_run", "complete_task", "insert_runs", "complete_tasks")
+"""The statements made through libpq: the fast path's start (with and without an idempotency
+key) and steps, alone and combined."""
 
 Rows = list[tuple[Any, ...]]
 Reader = Callable[[bytes | None], Any]

@@ -8,10 +8,44 @@
 
 
 -- name: insert_run
--- Insert a run and its task snapshot (claimed by the caller when claim_id is set; woken pollers otherwise),
--- due now, at run_at, or delay seconds from now (database clock). Its creation time is the clock's at the
--- insert, not the transaction's start: the runs one transaction starts are in the order it started them.
--- A run with a concurrency key goes through insert_keyed_run instead.
+-- Insert a run with no idempotency key and its task snapshot (claimed by the caller when claim_id is set;
+-- woken pollers otherwise), due now, at run_at, or delay seconds from now (database clock). Its creation
+-- time is the clock's at the insert, not the transaction's start: the runs one transaction starts are in
+-- the order it started them. A run with an idempotency key goes through insert_idempotent_run, one with a
+-- concurrency key through insert_keyed_run. No ON CONFLICT here: an insert that may conflict is made as a
+-- speculative insertion, which costs a confirmation record in the WAL (48 bytes a run) even when no key is
+-- there to conflict with.
+WITH run AS (
+    INSERT INTO workflow_runs (id, workflow, status, input, input_sealed,
+                               context, context_sealed, task_count, current_seq,
+                               claim_id, heartbeat_at, finished_at, traceparent, tracestate,
+                               next_retry_at, created_at)
+    VALUES (%(id)s, %(workflow)s, %(status)s,
+            %(input)s::jsonb, %(input_sealed)s, %(context)s::jsonb, %(context_sealed)s,
+            %(task_count)s, %(current_seq)s, %(claim_id)s,
+            CASE WHEN %(claim_id)s::uuid IS NULL THEN NULL ELSE now() END,
+            CASE WHEN %(status)s = 'succeeded' THEN now() END,
+            %(traceparent)s, %(tracestate)s,
+            CASE WHEN %(run_at)s::timestamptz IS NOT NULL THEN %(run_at)s::timestamptz
+                 WHEN %(delay)s::float8 IS NOT NULL THEN now() + make_interval(secs => %(delay)s::float8)
+                 ELSE now() END,
+            clock_timestamp())
+    RETURNING id, created_at
+), tasks AS (
+    INSERT INTO workflow_tasks (run_id, seq, name, skipped, finished_at)
+    SELECT run.id, t.seq::smallint, t.name, t.skipped, CASE WHEN t.skipped THEN run.created_at END
+    FROM run,
+         unnest(%(names)s::text[], %(skipped)s::boolean[]) WITH ORDINALITY AS t (name, skipped, seq)
+)
+SELECT run.id,
+       (SELECT pg_notify(%(channel)s, %(workflow)s) WHERE %(wake)s),
+       %(claim_id)s::uuid IS NOT NULL
+FROM run;
+
+
+-- name: insert_idempotent_run
+-- insert_run for a run with an idempotency key: nothing is inserted (no row) when the workflow has a run
+-- with that key already.
 -- An idempotency key that a transaction still open has inserted makes the insert wait for that
 -- transaction; with key_wait set, set_config bounds the wait (lock_timeout, for this statement's
 -- own transaction only), evaluated as part of the key's value, before the insert looks for a conflict.
