@@ -72,7 +72,8 @@ thirtieth as fast as the others here, so 30,000 would take it minutes per drain,
 while pgworkflow's drains of 10,000 lasted one or two seconds, too short to steer by
 (their ratio to PGQueuer's swung by +-25% between minutes). A smaller backlog
 favours Procrastinate, whose rate falls as its backlog grows (602 jobs/s from one
-worker on 300 jobs, about 150 on 10,000), so the ratios against it err on its side.
+worker on 300 jobs; about 150 on 10,000 in the 2026-12-06 01:28 full run, 248 at
+04:13), so the ratios against it err on its side.
 
 The peers' virtualenvs are bench/.venvs/pgqueuer and bench/.venvs/procrastinate,
 created on first use from bench/peers/<name>/requirements.txt (as run_all.py does).
@@ -654,7 +655,7 @@ def main() -> None:
     args.n_of = {name: args.n for name in SYSTEMS}
     if args.procrastinate_n is not None:
         args.n_of["procrastinate"] = args.procrastinate_n
-    if min(args.n_of.values()) < 2:
+    if min(args.n_of[name] for name in args.systems) < 2:
         p.error("a backlog needs at least 2 jobs")
     systems = {name: System(name, args.concurrency, args.pgq_batch_size)
                for name in args.systems}

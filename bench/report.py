@@ -371,7 +371,9 @@ def write_report(
     if bl:
         w(
             f"| method (worker backlog) | {bl['n']:,} jobs per measurement"
-            + (f" (Procrastinate {bl['procrastinate_n']:,})" if "procrastinate_n" in bl else "")
+            + (f" (Procrastinate {bl['procrastinate_n']:,})"
+               if "procrastinate_n" in bl and "procrastinate" in (bl.get("systems") or [])
+               else "")
             + "; "
             f"{', '.join(map(str, bl['consumers']))} consumer processes; {bl['rounds']} round(s); "
             f"{', '.join(bl.get('systems') or [])} |"

@@ -286,7 +286,7 @@ def main() -> None:
         paired_extra = [(3, 4)]  # the target says "from 4+ threads": 4 as well as 8
         p_runs = {1: 600, 3: 300}
         typed = {"threads": [1, 4, 8], "rounds": 5, "slice_s": 2.0}
-        # 30,000 jobs: a drain of 10,000 by eight workers lasts about a second and its
+        # 30,000 jobs: a drain of 10,000 lasts one or two seconds here and its
         # ratio to PGQueuer's swung by +-25% between minutes (bench/README.md, the
         # 2026-12-06 01:28 run); Procrastinate, some thirty times slower, drains 10,000.
         backlog = {"n": 30000, "procrastinate_n": 10000, "consumers": [1, 4, 8],
@@ -436,7 +436,7 @@ def main() -> None:
             "--n",
             str(backlog["n"]),
             *(["--procrastinate-n", str(backlog["procrastinate_n"])]
-              if "procrastinate_n" in backlog else []),
+              if "procrastinate_n" in backlog and "procrastinate" in backlog_peers else []),
             "--consumers",
             ",".join(map(str, backlog["consumers"])),
             "--rounds",

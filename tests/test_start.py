@@ -649,7 +649,10 @@ class _Used(dict[str, str]):
         return super().get(name, default)
 
 
-def test_a_start_without_an_idempotency_key_is_no_speculative_insertion(
+INSERTS = ("insert_run", "insert_runs", "insert_idempotent_run", "insert_keyed_run")
+
+
+def test_a_start_with_no_key_of_either_kind_is_no_speculative_insertion(
     make_manager: Any, rec: Recorder, writer: psycopg.Connection[Any],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -662,7 +665,7 @@ def test_a_start_without_an_idempotency_key_is_no_speculative_insertion(
     def inserts(start: Callable[[], object]) -> list[str]:
         used.names.clear()
         start()
-        return [used[name] for name in list(used.names) if name.startswith("insert")]
+        return [used[name] for name in list(used.names) if name in INSERTS]
 
     def in_tx(**kwargs: Any) -> None:
         WF.start_tx(writer, mgr, Order("tx", 1), **kwargs)
@@ -692,3 +695,28 @@ def test_the_insert_without_an_idempotency_key_is_the_other_less_its_key() -> No
         assert idempotent.count(part) == 1, part
         idempotent = idempotent.replace(part, "")
     assert plain == idempotent
+
+
+def test_a_retried_insert_that_finds_its_key_taken_by_its_own_earlier_try_returns_its_run(
+    pool: Any,
+) -> None:
+    # A start whose connection was lost while the server still ran its insert tries
+    # again; the earlier try commits meanwhile, so the retry's ON CONFLICT inserts
+    # nothing. The run is this start's (claimed for it): it must not be taken for
+    # another start's, which would leave it claimed by nobody until a sweep.
+    store = workflow.store.Store(pool)
+
+    def insert(run_id: uuid.UUID, claim_id: uuid.UUID) -> Any:
+        return store.insert_run(
+            None, run_id=run_id, workflow="Start.Order", status="running",
+            idempotency_key="once", input='{"customer": "a", "amount": 1}',
+            input_sealed=None, context=None, context_sealed=None, task_count=1,
+            current_seq=1, claim_id=claim_id,
+            names=workflow.store.array_literal(["order.reserve"]),
+            skipped=workflow.store.array_literal([False]), wake=False,
+        )
+
+    run_id, claim_id = uuid.uuid4(), uuid.uuid4()
+    assert insert(run_id, claim_id) == (run_id, True)  # the earlier try, committed
+    assert insert(run_id, claim_id) == (run_id, True)  # the retry
+    assert insert(uuid.uuid4(), uuid.uuid4()) is None  # another start of the same key

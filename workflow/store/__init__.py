@@ -111,7 +111,7 @@ CODE_CHARS = 200
 """The most characters of a failure code stored."""
 
 KEY_WAIT = "5s"
-"""How long `insert_run` waits, in its own transaction, for an idempotency key that a
+"""How long `Store.insert_run` waits, in its own transaction, for an idempotency key that a
 transaction still open has inserted (say a `start_tx` not committed yet), before
 giving up with `psycopg.errors.LockNotAvailable`."""
 
@@ -402,8 +402,9 @@ class Store:
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
-        # A run without a key pays nothing for keys: its statement reads no slot, and
-        # without an idempotency key it is no speculative insertion (`insert_run`).
+        # A run without a concurrency key pays nothing for keys: its statement reads no
+        # slot; without an idempotency key either, it is no speculative insertion
+        # (`insert_run` has no ON CONFLICT).
         if concurrency_key is not None:
             name = "insert_keyed_run"
         elif idempotency_key is not None:
@@ -433,11 +434,12 @@ class Store:
 
     def _insert_or_find(self, name: str, params: dict[str, Any], may_have_landed: bool) -> Rows:
         """Insert statement `name`, riding out lost connections; when the insert finds its
-        own id taken, the run an earlier try inserted (the id is random: only an earlier
-        try of this start has it), committed after this one looked for it (a try whose
+        own id taken, or its idempotency key taken and so inserts nothing, the run an
+        earlier try inserted if there is one (the id is random: only an earlier try of
+        this start has it), committed after this one looked for it (a try whose
         connection was lost while the server still ran it)."""
         try:
-            return self._run(name, params, "inserted_run", may_have_landed=may_have_landed)
+            rows = self._run(name, params, "inserted_run", may_have_landed=may_have_landed)
         except psycopg.errors.UniqueViolation as e:
             if e.diag.constraint_name != RUNS_PRIMARY_KEY:
                 raise
@@ -445,6 +447,9 @@ class Store:
             if not found:
                 raise
             return found
+        if not rows:  # the key is another start's, or an earlier try's: look for ours
+            rows = self._run("inserted_run", params)
+        return rows
 
     def _insert_together(self, batch: list[dict[str, Any]]) -> list[tuple[uuid.UUID, bool] | None]:
         params = start_arrays(batch)

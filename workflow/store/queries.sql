@@ -126,8 +126,8 @@ FROM run JOIN given g ON g.id = run.id;
 -- name: insert_keyed_run
 -- insert_run for a run with a concurrency key (its digest): claimed by the caller only when claim_id is set and
 -- its key has a free slot below `concurrency` and no run waiting for one (it takes the lowest free slot);
--- otherwise inserted waiting for a slot, the pollers woken. Due and creation times and the idempotency key's
--- wait as in insert_run.
+-- otherwise inserted waiting for a slot, the pollers woken. Due and creation times as in insert_run, the
+-- idempotency key's wait as in insert_idempotent_run.
 WITH slot AS (
     SELECT CASE WHEN %(claim_id)s::uuid IS NOT NULL THEN (
         SELECT min(s)::smallint FROM generate_series(0, %(concurrency)s - 1) AS s
@@ -178,7 +178,7 @@ FROM run;
 
 
 -- name: inserted_run
--- The run with this id, if an earlier try of insert_run committed it (the id is random: only ours).
+-- The run with this id, if an earlier try of this start's insert committed it (the id is random: only ours).
 SELECT id, NULL, coalesce(claim_id = %(claim_id)s::uuid, false) FROM workflow_runs WHERE id = %(id)s;
 
 
