@@ -113,22 +113,29 @@ def main() -> None:
 
     results["engine"] = measure(engine_one, args.runs, args.reps)
 
-    real_run = store_mod.Store._run
+    # The store binds `Connections.run` when it is made (`Store._run`), so the stub
+    # goes on the class before a second Manager is built over it.
+    from workflow.store.connections import Connections
+
+    real_run = Connections.run
 
     def no_io(
-        self: Any, name: str, params: dict[str, Any], recover: str | None = None
+        self: Any, name: str, params: dict[str, Any], recover: str | None = None,
+        **kwargs: Any,
     ) -> list[tuple[Any, ...]]:
-        if name == "insert_run":
-            return [(params["id"], None)]
-        if name == "complete_task":
+        if name == "insert_run":  # (id, wake-up, claimed)
+            return [(params["id"], None, params["claim_id"] is not None)]
+        if name == "complete_task":  # a row: the claim matched
             return [(params["seq"],)]
-        return real_run(self, name, params, recover)
+        return real_run(self, name, params, recover, **kwargs)
 
-    store_mod.Store._run = no_io  # type: ignore[method-assign]
+    mgr.close()
+    Connections.run = no_io  # type: ignore[method-assign]
     try:
+        mgr = workflow.Manager(url, apps.registry())
         results["engine, no I/O"] = measure(engine_one, args.runs * 5, args.reps)
     finally:
-        store_mod.Store._run = real_run  # type: ignore[method-assign]
+        Connections.run = real_run  # type: ignore[method-assign]
     mgr.close()
 
     log(f"sequential 3-task runs, best of {args.reps} x {args.runs}")
