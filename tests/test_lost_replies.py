@@ -9,7 +9,8 @@ connection, and each statement must recognise its own earlier success:
   nothing stays claimed by a claim id no executor knows (to be swept and charged
   an attempt that never ran);
 - a keyed insert on the fast path recognises its own row instead of taking it
-  for another start's duplicate and launching nothing;
+  for another start's duplicate and launching nothing, also when its connection was
+  cut while the server still ran it and its retry found the key taken by that try;
 - a failed attempt is counted once, not once per try;
 - a park, a finish and a release that let go of the claim are recognised as this
   executor's (the ALERT of a park is logged; no "claim lost");
@@ -176,6 +177,42 @@ def test_a_keyed_start_whose_insert_reply_is_lost_still_runs_on_the_fast_path(
     assert calls.attempts == [1]
     assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
     assert wf.start(mgr, Inp(1), idempotency_key="order-1") == run
+
+
+def test_a_keyed_start_cut_off_while_its_insert_waits_runs_once_on_the_fast_path(
+    manager: Any, proxy: ReplyProxy, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The connection is lost while the server still runs the insert (waiting on a lock):
+    the store's retry finds nothing committed yet, inserts again and waits on the key the
+    first try holds; the first try then commits, so the retry's ON CONFLICT inserts
+    nothing. The run is this start's, claimed for it: it runs now, not after a sweep."""
+    calls = Calls()
+    reg, wf = registry(workflow.handle(A, succeeding(calls)))
+    mgr = manager(reg)
+
+    def waiting(n: int) -> Any:
+        return lambda: db.execute(
+            "SELECT count(*) >= %s FROM pg_stat_activity "
+            "WHERE datname = current_database() AND wait_event_type = 'Lock'", (n,)
+        ).fetchone() == (True,)
+
+    started: list[workflow.Run] = []
+    with psycopg.connect(db_url) as blocker:  # holds the insert's second half
+        blocker.execute("LOCK TABLE workflow_tasks IN SHARE MODE")
+        thread = threading.Thread(
+            target=lambda: started.append(wf.start(mgr, Inp(1), idempotency_key="order-1"))
+        )
+        thread.start()
+        wait_until(waiting(1), "the insert to wait for the lock")
+        proxy.cut_all()
+        wait_until(waiting(2), "the retry to wait for the key")
+        blocker.rollback()
+    thread.join(timeout=20)
+    assert started, "the start did not return"
+    (run,) = started
+    assert run.wait(timeout=10) is Status.SUCCEEDED
+    assert calls.attempts == [1]
+    assert db.execute("SELECT count(*) FROM workflow_runs").fetchone() == (1,)
 
 
 def test_an_unkeyed_start_whose_insert_reply_is_lost_runs_once(
