@@ -402,6 +402,8 @@ class Store:
             "channel": CHANNEL,
             "key_wait": KEY_WAIT if conn is None else None,
         }
+        if conn is None and idempotency_key is None and concurrency_key is None:
+            return self.starts.write(params)  # `insert_run` alone, or `insert_runs`
         # A run without a concurrency key pays nothing for keys: its statement reads no
         # slot; without an idempotency key either, it is no speculative insertion
         # (`insert_run` has no ON CONFLICT).
@@ -411,8 +413,6 @@ class Store:
             name = "insert_idempotent_run"
         else:
             name = "insert_run"
-        if conn is None and idempotency_key is None and concurrency_key is None:
-            return self.starts.write(params)
         if conn is None:
             rows = self._insert_or_find(name, params, False)
         else:
