@@ -19,6 +19,7 @@ changes.
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
@@ -125,7 +126,7 @@ def _claim_part(sql: str) -> str:
     write's fence."""
     begin = sql.index("pick AS (")
     end = sql.index("r.tracestate, r.concurrency_key\n)", begin)
-    return sql[begin:end].replace("      AND (SELECT held FROM given) IS NOT NULL\n", "")
+    return re.sub(r"\n *AND \(SELECT held FROM given\) IS NOT NULL(?=\n)", "", sql[begin:end])
 
 
 def _step_part(sql: str) -> str:

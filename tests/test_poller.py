@@ -348,3 +348,42 @@ def test_stop_called_on_the_thread_inside_start_returns(
     assert not starter.is_alive(), "start() waits for the stop() it is running"
     assert stopped == [True]
     runnable.run()  # returns at once: stopped
+
+
+def test_a_claim_takes_the_oldest_runs_of_all_its_workflows_and_none_of_others(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """A claim reads each of its workflows apart (migration 0010) and takes the runs due first
+    among them all, in creation order across workflows; a workflow named twice is read once;
+    the runs of a workflow it does not serve, older than every other, are left alone. Both
+    the poller's claim and the one that rides with a worker's finishing writes."""
+    managers = {}
+    flows = {}
+    for name in ("Red", "Blue", "Foreign"):
+        reg, flows[name] = registry(workflow.handle(A, lambda run: Out("x")), name=name)
+        managers[name] = make_manager(reg)
+    order = ["Foreign", "Foreign", "Red", "Blue", "Blue", "Red", "Foreign", "Blue", "Red", "Red"]
+    ids: dict[str, list[str]] = {"Red": [], "Blue": [], "Foreign": []}
+    created = []
+    for name in order:
+        with db.transaction():
+            run = flows[name].start_tx(db, managers[name], Inp(len(created)))
+        ids[name].append(run.id)
+        created.append((name, run.id))
+    ours = [run_id for name, run_id in created if name != "Foreign"]
+    store = managers["Red"]._store
+
+    first = store.claim_runs(["Red", "Blue", "Red"], 3)
+    assert [str(run.id) for run in first] == ours[:3]
+    assert len({run.claim_id for run in first}) == 3
+
+    steps = [store.step_params(run.id, run.claim_id, 1, None, 2) for run in first]
+    answers, then = store.finish_runs(steps, ["Blue", "Red", "Blue"], 4)
+    assert answers == [True, True, True]
+    assert [str(run.id) for run in then] == ours[3:7]
+
+    assert store.claim_runs(["Red", "Blue"], 10) == []
+    rows = db.execute(
+        "SELECT id::text, claim_id FROM workflow_runs WHERE workflow = 'Foreign'"
+    ).fetchall()
+    assert sorted(rows) == sorted((run_id, None) for run_id in ids["Foreign"])

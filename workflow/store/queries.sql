@@ -215,26 +215,38 @@ ORDER BY t.seq;
 -- name: claim_runs
 -- Claim up to `limit` claimable runs of the given workflows, longest due first (the poller; a new
 -- run is due from its creation, so new runs go in creation order), the n-th under the n-th of the
--- caller's claim ids. Read through workflow_runs_ready: runs due later, and keyed runs waiting for a
--- slot, are never visited (a keyed run holding its slot is claimed here).
+-- caller's claim ids. Read through workflow_runs_ready_by_workflow, each workflow apart from its first
+-- due run: runs due later, keyed runs waiting for a slot (a keyed run holding its slot is claimed here)
+-- and the runs of workflows the caller does not serve (another service's backlog, the runs a renamed
+-- workflow left behind) are never visited. Each workflow's first `limit` unlocked runs are locked and
+-- the `limit` due first among them all are claimed: with several workflows' backlogs due, a claim locks
+-- a few rows more than it takes, until its commit. The bounds `workflow >= name AND workflow <= name`
+-- say `workflow = name` in a way the planner cannot fold into a constant: the order by workflow first
+-- then stays one that only this index gives, where an equality let it prefer workflow_runs_ready
+-- (by due time alone, kept one release for the previous code) and filter, as if the runs of every
+-- workflow were mixed evenly. A workflow named twice is read once (`given`).
 -- The parameters are read through `given`, one materialized row, so that no estimate depends on their
 -- values: the plan PostgreSQL makes without them is then as cheap as one made for them, so after five
 -- executions it keeps that generic plan for the connection instead of planning every execution anew
 -- (0.7 ms of planning against 0.4 ms of execution). A LIMIT it cannot read is estimated at a tenth of its
 -- input, which made that plan read every run to join the picked ones; `numbered` takes the picked ids
 -- from an array (estimated at 10) under the same LIMIT (so at one), and each run is found by its primary
--- key, numbered in the claim's order. The workflows' cast is not idle: without it, ANY would compare with
--- the rows of its subquery (each an array) instead of the elements of the one array it returns.
+-- key, numbered in the claim's order.
 WITH given AS MATERIALIZED (
-    SELECT %(workflows)s::text[] AS workflows, %(limit)s::int AS lim, %(claims)s::uuid[] AS new_claims
+    SELECT ARRAY(SELECT DISTINCT unnest(%(workflows)s::text[])) AS workflows, %(limit)s::int AS lim,
+           %(claims)s::uuid[] AS new_claims
 ), pick AS (
-    SELECT id, created_at, next_retry_at FROM workflow_runs
-    WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
-      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
-      AND workflow = ANY((SELECT workflows FROM given)::text[])
-    ORDER BY next_retry_at, created_at, id
+    SELECT c.id, c.created_at, c.next_retry_at
+    FROM unnest((SELECT workflows FROM given)) AS w (name),
+         LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
+                  WHERE workflow >= w.name AND workflow <= w.name
+                    AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+                  ORDER BY workflow, next_retry_at, created_at, id
+                  LIMIT (SELECT lim FROM given)
+                  FOR UPDATE SKIP LOCKED) AS c
+    ORDER BY c.next_retry_at, c.created_at, c.id
     LIMIT (SELECT lim FROM given)
-    FOR UPDATE SKIP LOCKED
 ), numbered AS (
     SELECT p.id, p.n
     FROM unnest(ARRAY(SELECT id FROM pick ORDER BY next_retry_at, created_at, id))
@@ -305,12 +317,16 @@ ORDER BY t.seq;
 
 -- name: next_due
 -- Seconds until the earliest unclaimed, unfinished run of the given workflows is due (negative:
--- overdue; NULL: none): the first entry of workflow_runs_ready that matches, or the first of
--- workflow_runs_key_due still to come (a keyed run started with a delay, waiting for a slot).
+-- overdue; NULL: none): the first entry of each workflow in workflow_runs_ready_by_workflow (read as
+-- claim_runs reads it), or the first of workflow_runs_key_due still to come (a keyed run started with a
+-- delay, waiting for a slot).
 SELECT extract(epoch FROM least(
-    (SELECT min(next_retry_at) FROM workflow_runs
-     WHERE claim_id IS NULL AND finished_at IS NULL AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
-       AND workflow = ANY(%(workflows)s::text[])),
+    (SELECT min(first.at)
+     FROM unnest(%(workflows)s::text[]) AS w (name),
+          LATERAL (SELECT next_retry_at FROM workflow_runs
+                   WHERE workflow >= w.name AND workflow <= w.name AND claim_id IS NULL AND finished_at IS NULL
+                     AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+                   ORDER BY workflow, next_retry_at LIMIT 1) AS first (at)),
     (SELECT min(next_retry_at) FROM workflow_runs
      WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
        AND next_retry_at > now() AND workflow = ANY(%(workflows)s::text[]))
@@ -538,7 +554,8 @@ WITH given AS MATERIALIZED (
            %(seqs)s::smallint[] AS seqs, %(outputs)s::text[] AS outputs,
            %(next_seqs)s::smallint[] AS next_seqs, %(finishes)s::boolean[] AS finishes,
            %(wake_keys)s::boolean[] AS wake_keys,
-           %(workflows)s::text[] AS workflows, %(limit)s::int AS lim, %(new_claims)s::uuid[] AS new_claims
+           ARRAY(SELECT DISTINCT unnest(%(workflows)s::text[])) AS workflows, %(limit)s::int AS lim,
+           %(new_claims)s::uuid[] AS new_claims
 ), step AS (
     SELECT s.* FROM given,
          unnest(given.ids, given.claims, given.seqs, given.outputs, given.next_seqs, given.finishes,
@@ -570,14 +587,18 @@ WITH given AS MATERIALIZED (
     WHERE t.run_id = run.id AND t.seq = run.seq
     RETURNING t.run_id, run.claim_id, run.woke
 ), pick AS (
-    SELECT id, created_at, next_retry_at FROM workflow_runs
-    WHERE claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
-      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
-      AND workflow = ANY((SELECT workflows FROM given)::text[])
-      AND (SELECT held FROM given) IS NOT NULL
-    ORDER BY next_retry_at, created_at, id
+    SELECT c.id, c.created_at, c.next_retry_at
+    FROM unnest((SELECT workflows FROM given)) AS w (name),
+         LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
+                  WHERE workflow >= w.name AND workflow <= w.name
+                    AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
+                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+                    AND (SELECT held FROM given) IS NOT NULL
+                  ORDER BY workflow, next_retry_at, created_at, id
+                  LIMIT (SELECT lim FROM given)
+                  FOR UPDATE SKIP LOCKED) AS c
+    ORDER BY c.next_retry_at, c.created_at, c.id
     LIMIT (SELECT lim FROM given)
-    FOR UPDATE SKIP LOCKED
 ), numbered AS (
     SELECT p.id, p.n
     FROM unnest(ARRAY(SELECT id FROM pick ORDER BY next_retry_at, created_at, id))
