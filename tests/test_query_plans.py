@@ -2,7 +2,7 @@
 
 A table full of finished runs (plus a handful of claimable and claimed ones) is
 analysed, then the store's own statements are EXPLAINed with real parameters. The
-claim query must go through the partial index `workflow_runs_ready_by_workflow`, the
+claim query must go through the partial index `workflow_runs_ready_per_workflow`, the
 sweep through `workflow_runs_claims`, and neither (nor the claim by id) may scan
 `workflow_runs` or `workflow_tasks` sequentially: their cost must not grow with the
 number of finished runs, nor with the due runs of workflows the claimer does not serve.
@@ -148,11 +148,11 @@ def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> 
 # pick the one whose order suits it.
 OPEN_RUNS = "an index of the open unclaimed runs"
 OPEN_RUN_INDEXES = (
-    "workflow_runs_claimable", "workflow_runs_ready", "workflow_runs_ready_by_workflow",
+    "workflow_runs_claimable", "workflow_runs_ready", "workflow_runs_ready_per_workflow",
 )
 
 # The claims' index since migration 0010: the ready runs by workflow, then due time.
-READY = "workflow_runs_ready_by_workflow"
+READY = "workflow_runs_ready_per_workflow"
 
 
 def test_history_is_in_place(plan_db: psycopg.Connection[Any]) -> None:
@@ -628,6 +628,25 @@ def young_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]
         drop_database(pg_url, name)
 
 
+STALE_RUNS = 30_000
+
+
+@pytest.fixture(scope="module")
+def stale_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
+    """A young table with a large backlog: 30,000 runs inserted moments ago and no statistics
+    (the tables' own say never analysed; the indexes', taken as the migration built them,
+    say empty), as a worker first sees a new install's first backlog."""
+    name = create_database(pg_url, template_db)
+    try:
+        with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
+            conn.execute("ALTER TABLE workflow_runs SET (autovacuum_enabled = false)")
+            conn.execute("ALTER TABLE workflow_tasks SET (autovacuum_enabled = false)")
+            _insert_backlog(conn, STALE_RUNS)
+            yield conn
+    finally:
+        drop_database(pg_url, name)
+
+
 @pytest.mark.parametrize("statement", ["complete_tasks", "complete_tasks_claiming"])
 def test_a_combined_step_on_a_young_table_does_not_read_every_run(
     young_db: psycopg.Connection[Any], statement: str
@@ -682,13 +701,14 @@ def backlog_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any
 def _params_of(statement: str, size: int) -> dict[str, Any]:
     """Parameters of `statement` for `size` steps or claims (steps of runs that do not exist:
     they match nothing, and the plan is the same)."""
+    workflows = ["Transfer.Send", "Invoice.Send", "Other.Thing"]  # a registry of three
     if statement == "claim_runs":
-        return {"workflows": ["Transfer.Send"], "limit": size, "claims": _claims(size)}
+        return {"workflows": workflows, "limit": size, "claims": _claims(size)}
     steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
               "next_seq": 2, "finishes": True, "wake_key": True} for _ in range(size)]
     if statement == "complete_tasks":
         return step_arrays(steps)
-    return step_arrays(steps, ["Transfer.Send"], _claims(size))
+    return step_arrays(steps, workflows, _claims(size))
 
 
 @contextlib.contextmanager
@@ -747,7 +767,7 @@ def test_a_combined_write_or_claim_keeps_one_plan_on_a_table_with_statistics(
 
 
 @pytest.mark.parametrize("statement", PLANNED_ONCE)
-@pytest.mark.parametrize("database", ["plan_db", "backlog_db", "young_db"])
+@pytest.mark.parametrize("database", ["plan_db", "backlog_db", "young_db", "stale_db"])
 def test_the_plan_kept_finds_runs_by_index(
     request: pytest.FixtureRequest, statement: str, database: str
 ) -> None:
@@ -755,12 +775,17 @@ def test_the_plan_kept_finds_runs_by_index(
     history with statistics, on a backlog with statistics, and on a backlog inserted moments
     ago without any: it estimates one step or claim (a LIMIT it cannot read is a tenth of
     its input), so the runs are found by primary key, and the claim goes through the ready
-    index."""
+    index, workflow by workflow: no other index and no sort of the backlog (on statistics
+    nor for the backlog (on a young table of 30,000 runs, the claim of migration 0010's first
+    text read workflow_runs_claimable and sorted every run waiting at every claim, 1.2 ms of
+    server CPU a job)."""
     conn: psycopg.Connection[Any] = request.getfixturevalue(database)
     scans = _scans(_generic_plan(conn, statement, _params_of(statement, 16)))
     _assert_no_seq_scan(scans)
     if statement != "complete_tasks":
         assert _uses_index(scans, READY), scans
+        assert not _uses_index(scans, "workflow_runs_claimable"), scans
+        assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
 # Other workflows' backlogs (SPEC 6: several services may share the tables): a claim reads

@@ -215,16 +215,18 @@ ORDER BY t.seq;
 -- name: claim_runs
 -- Claim up to `limit` claimable runs of the given workflows, longest due first (the poller; a new
 -- run is due from its creation, so new runs go in creation order), the n-th under the n-th of the
--- caller's claim ids. Read through workflow_runs_ready_by_workflow, each workflow apart from its first
+-- caller's claim ids. Read through workflow_runs_ready_per_workflow, each workflow apart from its first
 -- due run: runs due later, keyed runs waiting for a slot (a keyed run holding its slot is claimed here)
 -- and the runs of workflows the caller does not serve (another service's backlog, the runs a renamed
 -- workflow left behind) are never visited. Each workflow's first `limit` unlocked runs are locked and
 -- the `limit` due first among them all are claimed: with several workflows' backlogs due, a claim locks
--- a few rows more than it takes, until its commit. The bounds `workflow >= name AND workflow <= name`
--- say `workflow = name` in a way the planner cannot fold into a constant: the order by workflow first
--- then stays one that only this index gives, where an equality let it prefer workflow_runs_ready
--- (by due time alone, kept one release for the previous code) and filter, as if the runs of every
--- workflow were mixed evenly. A workflow named twice is read once (`given`).
+-- a few rows more than it takes, until its commit. A workflow named twice is read once (`given`).
+-- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
+-- predicate spells it, so that no other index's predicate follows from the query: with `claim_id IS NULL
+-- AND finished_at IS NULL` the planner could read workflow_runs_ready (by due time alone, kept one
+-- release for the previous code) and filter on the workflow, which reads every other workflow's due
+-- runs, or workflow_runs_claimable (by creation) and sort the whole backlog at every claim, as it did
+-- on a table whose statistics were taken before the backlog came (1.2 ms of server CPU a job).
 -- The parameters are read through `given`, one materialized row, so that no estimate depends on their
 -- values: the plan PostgreSQL makes without them is then as cheap as one made for them, so after five
 -- executions it keeps that generic plan for the connection instead of planning every execution anew
@@ -239,10 +241,9 @@ WITH given AS MATERIALIZED (
     SELECT c.id, c.created_at, c.next_retry_at
     FROM unnest((SELECT workflows FROM given)) AS w (name),
          LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
-                  WHERE workflow >= w.name AND workflow <= w.name
-                    AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
-                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
-                  ORDER BY workflow, next_retry_at, created_at, id
+                  WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
+                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AND next_retry_at <= now()
+                  ORDER BY next_retry_at, created_at, id
                   LIMIT (SELECT lim FROM given)
                   FOR UPDATE SKIP LOCKED) AS c
     ORDER BY c.next_retry_at, c.created_at, c.id
@@ -317,16 +318,16 @@ ORDER BY t.seq;
 
 -- name: next_due
 -- Seconds until the earliest unclaimed, unfinished run of the given workflows is due (negative:
--- overdue; NULL: none): the first entry of each workflow in workflow_runs_ready_by_workflow (read as
+-- overdue; NULL: none): the first entry of each workflow in workflow_runs_ready_per_workflow (read as
 -- claim_runs reads it), or the first of workflow_runs_key_due still to come (a keyed run started with a
 -- delay, waiting for a slot).
 SELECT extract(epoch FROM least(
     (SELECT min(first.at)
      FROM unnest(%(workflows)s::text[]) AS w (name),
           LATERAL (SELECT next_retry_at FROM workflow_runs
-                   WHERE workflow >= w.name AND workflow <= w.name AND claim_id IS NULL AND finished_at IS NULL
+                   WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
                      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
-                   ORDER BY workflow, next_retry_at LIMIT 1) AS first (at)),
+                   ORDER BY next_retry_at LIMIT 1) AS first (at)),
     (SELECT min(next_retry_at) FROM workflow_runs
      WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
        AND next_retry_at > now() AND workflow = ANY(%(workflows)s::text[]))
@@ -590,11 +591,10 @@ WITH given AS MATERIALIZED (
     SELECT c.id, c.created_at, c.next_retry_at
     FROM unnest((SELECT workflows FROM given)) AS w (name),
          LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
-                  WHERE workflow >= w.name AND workflow <= w.name
-                    AND claim_id IS NULL AND finished_at IS NULL AND next_retry_at <= now()
-                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+                  WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
+                    AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AND next_retry_at <= now()
                     AND (SELECT held FROM given) IS NOT NULL
-                  ORDER BY workflow, next_retry_at, created_at, id
+                  ORDER BY next_retry_at, created_at, id
                   LIMIT (SELECT lim FROM given)
                   FOR UPDATE SKIP LOCKED) AS c
     ORDER BY c.next_retry_at, c.created_at, c.id

@@ -11,13 +11,21 @@
 -- to 490 beside 100,000). The claims now read this index once per workflow they
 -- serve, each from its first due run, and take the runs due first among them.
 --
+-- It holds the runs workflow_runs_ready holds (unclaimed, unfinished, and not a keyed
+-- run waiting for a slot), but says "unclaimed and unfinished" as
+-- `num_nonnulls(claim_id, finished_at) = 0`, and the claims say it so too: then only
+-- this index serves them. Spelt `claim_id IS NULL AND finished_at IS NULL`, the
+-- claims could also be read through workflow_runs_ready or workflow_runs_claimable,
+-- and on statistics taken before a backlog came the planner chose the latter and
+-- sorted the whole backlog at every claim.
+--
 -- The index is built inside the migration's transaction, which blocks writes to
 -- workflow_runs while it builds (reads go on); it holds only the runs that may be
 -- claimed, so it builds fast unless a backlog is large. Then create it beforehand
 -- without blocking, under the same name and definition (CREATE INDEX CONCURRENTLY
 -- ...): IF NOT EXISTS keeps it.
 
-CREATE INDEX IF NOT EXISTS workflow_runs_ready_by_workflow
+CREATE INDEX IF NOT EXISTS workflow_runs_ready_per_workflow
     ON workflow_runs (workflow, next_retry_at, created_at, id)
-    WHERE claim_id IS NULL AND finished_at IS NULL
+    WHERE num_nonnulls(claim_id, finished_at) = 0
       AND (concurrency_key IS NULL OR key_slot IS NOT NULL);

@@ -1,0 +1,1 @@
+DROP INDEX IF EXISTS workflow_runs_ready_per_workflow;
