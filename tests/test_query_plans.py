@@ -788,7 +788,7 @@ def test_the_plan_kept_finds_runs_by_index(
         assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
-# Other workflows' backlogs (SPEC 6: several services may share the tables): a claim reads
+# Other workflows' backlogs (SPEC 11: several services may share the tables): a claim reads
 # only the runs of the workflows it serves, however many runs of others are due before them.
 
 FOREIGN_RUNS = 20_000

@@ -3,7 +3,7 @@
 -- release later.
 --
 -- A poller claims the runs of the workflows its manager registered, and several
--- services may share these tables (SPEC 6). Read through workflow_runs_ready, whose
+-- services may share these tables (SPEC 11). Read through workflow_runs_ready, whose
 -- order is the due time alone, a claim stepped over every due run of the workflows it
 -- does not serve: another service's backlog, or the runs a renamed workflow left
 -- behind, cost every claim of every worker a read of each (~2.5 ms per 10,000 such
