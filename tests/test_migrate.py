@@ -512,3 +512,35 @@ def test_an_application_yoyo_chain_applies_alongside_ours(
     assert migrate(empty_db_url) == []
     assert apply_app_chain(empty_db_url, tmp_path) == []
     assert schema_version(empty_db_url) == SCHEMA_VERSION
+
+
+def test_0010_rebuilds_its_index_left_invalid_by_a_failed_concurrent_build(
+    empty_db_url: str,
+) -> None:
+    """The claims of 0010 have no other index to read: an index of its name that a `CREATE
+    INDEX CONCURRENTLY` left invalid (the migration's header suggests building it so) is not
+    kept by IF NOT EXISTS, but dropped and built again."""
+    migrate(empty_db_url)
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        conn.execute("DROP INDEX workflow_runs_ready_per_workflow")
+        conn.execute(
+            "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq)"
+            " SELECT gen_random_uuid(), 'W', 'pending', '{}', 1, 1 FROM generate_series(1, 2)"
+        )
+        with pytest.raises(psycopg.errors.UniqueViolation):  # fails, leaving it invalid
+            conn.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY workflow_runs_ready_per_workflow"
+                " ON workflow_runs (workflow)"
+            )
+        conn.execute(
+            "DELETE FROM workflow_yoyo_migration WHERE migration_id = '0010_ready_per_workflow'"
+        )
+    assert migrate(empty_db_url) == ["0010_ready_per_workflow"]
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        row = conn.execute(
+            "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
+            " WHERE i.indexrelid = 'workflow_runs_ready_per_workflow'::regclass"
+        ).fetchone()
+    assert row is not None and row[0] is True
+    assert "(workflow, next_retry_at, created_at, id)" in row[1]
+    assert "num_nonnulls(claim_id, finished_at) = 0" in row[1]

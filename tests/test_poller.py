@@ -354,9 +354,10 @@ def test_a_claim_takes_the_oldest_runs_of_all_its_workflows_and_none_of_others(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:
     """A claim reads each of its workflows apart (migration 0010) and takes the runs due first
-    among them all, in creation order across workflows; a workflow named twice is read once;
-    the runs of a workflow it does not serve, older than every other, are left alone. Both
-    the poller's claim and the one that rides with a worker's finishing writes."""
+    among them all, across workflows (a new run is due from its creation; one released for a
+    retry from the end of its backoff); a workflow named twice is read once; the runs of a
+    workflow it does not serve, the first two created, are left alone. Both the poller's
+    claim and the one that rides with a worker's finishing writes."""
     managers = {}
     flows = {}
     for name in ("Red", "Blue", "Foreign"):
@@ -371,16 +372,21 @@ def test_a_claim_takes_the_oldest_runs_of_all_its_workflows_and_none_of_others(
         ids[name].append(run.id)
         created.append((name, run.id))
     ours = [run_id for name, run_id in created if name != "Foreign"]
+    # The first of ours falls due after every other was created: it is claimed last.
+    with db.transaction():
+        db.execute("UPDATE workflow_runs SET next_retry_at = clock_timestamp() WHERE id = %s",
+                   (ours[0],))
+    ours = ours[1:] + ours[:1]
     store = managers["Red"]._store
 
-    first = store.claim_runs(["Red", "Blue", "Red"], 3)
-    assert [str(run.id) for run in first] == ours[:3]
+    first = store.claim_runs(["Red", "Blue", "Red"], 3)  # (returned in creation order)
+    assert {str(run.id) for run in first} == set(ours[:3])
     assert len({run.claim_id for run in first}) == 3
 
     steps = [store.step_params(run.id, run.claim_id, 1, None, 2) for run in first]
     answers, then = store.finish_runs(steps, ["Blue", "Red", "Blue"], 4)
     assert answers == [True, True, True]
-    assert [str(run.id) for run in then] == ours[3:7]
+    assert {str(run.id) for run in then} == set(ours[3:7])
 
     assert store.claim_runs(["Red", "Blue"], 10) == []
     rows = db.execute(

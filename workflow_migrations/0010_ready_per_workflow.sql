@@ -19,11 +19,26 @@
 -- and on statistics taken before a backlog came the planner chose the latter and
 -- sorted the whole backlog at every claim.
 --
+-- No other index serves the claims of this release: without this one each claim reads
+-- the table. So roll the code back before the schema, and an index of this name left
+-- invalid by a CREATE INDEX CONCURRENTLY that failed is dropped and built again here.
+--
 -- The index is built inside the migration's transaction, which blocks writes to
 -- workflow_runs while it builds (reads go on); it holds only the runs that may be
 -- claimed, so it builds fast unless a backlog is large. Then create it beforehand
 -- without blocking, under the same name and definition (CREATE INDEX CONCURRENTLY
--- ...): IF NOT EXISTS keeps it.
+-- ...): IF NOT EXISTS keeps it when it is valid.
+
+DO $$
+BEGIN
+    IF EXISTS (SELECT FROM pg_index i
+               JOIN pg_class c ON c.oid = i.indexrelid
+               WHERE i.indrelid = 'workflow_runs'::regclass
+                 AND c.relname = 'workflow_runs_ready_per_workflow' AND NOT i.indisvalid) THEN
+        DROP INDEX workflow_runs_ready_per_workflow;
+    END IF;
+END
+$$;
 
 CREATE INDEX IF NOT EXISTS workflow_runs_ready_per_workflow
     ON workflow_runs (workflow, next_retry_at, created_at, id)

@@ -219,8 +219,10 @@ ORDER BY t.seq;
 -- due run: runs due later, keyed runs waiting for a slot (a keyed run holding its slot is claimed here)
 -- and the runs of workflows the caller does not serve (another service's backlog, the runs a renamed
 -- workflow left behind) are never visited. Each workflow's first `limit` unlocked runs are locked and
--- the `limit` due first among them all are claimed: with several workflows' backlogs due, a claim locks
--- a few rows more than it takes, until its commit. A workflow named twice is read once (`given`).
+-- the `limit` due first among them all are claimed: with W workflows' runs due, a claim locks up to W x
+-- `limit` runs to take `limit`, until its commit (a lock each, written to the WAL; a claim made meanwhile
+-- skips them, and finds nothing when they were all there was). A workflow named twice is read once
+-- (`given`).
 -- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
 -- predicate spells it, so that no other index's predicate follows from the query: with `claim_id IS NULL
 -- AND finished_at IS NULL` the planner could read workflow_runs_ready (by due time alone, kept one
