@@ -826,13 +826,8 @@ def foreign_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any
 
 def _foreign_params(statement: str) -> dict[str, Any]:
     if statement == "next_due":
-        return {"workflows": ["Transfer.Send", "Invoice.Send"]}
-    if statement == "claim_runs":
-        return {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 10,
-                "claims": _claims(10)}
-    steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
-              "next_seq": 2, "finishes": True, "wake_key": True} for _ in range(4)]
-    return step_arrays(steps, ["Transfer.Send", "Invoice.Send"], _claims(10))
+        return {"workflows": ["Transfer.Send", "Invoice.Send", "Other.Thing"]}
+    return _params_of(statement, 10)  # steps of no run, 10 claims
 
 
 @pytest.mark.slow
@@ -848,11 +843,7 @@ def test_a_claim_never_reads_the_due_runs_of_workflows_it_does_not_serve(
     to 490 beside 100k."""
     params = _foreign_params(statement)
     if plan == "custom":
-        sql = psycopg.ClientCursor(foreign_db).mogrify(_Q[statement], params)
-        with foreign_db.transaction(force_rollback=True):
-            rows = foreign_db.execute(sql).fetchall()
-        with foreign_db.transaction(force_rollback=True):
-            row = foreign_db.execute("EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + sql).fetchone()
+        explained, rows = _analyzed(foreign_db, statement, params)
     else:
         with _prepared(foreign_db, statement) as execute:
             with foreign_db.transaction(force_rollback=True):
@@ -862,8 +853,8 @@ def test_a_claim_never_reads_the_due_runs_of_workflows_it_does_not_serve(
                 row = foreign_db.execute(
                     "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) " + execute(params)
                 ).fetchone()
-    assert row is not None
-    explained = row[0][0]["Plan"]
+        assert row is not None
+        explained = row[0][0]["Plan"]
     _assert_no_seq_scan(_scans(explained))
     if statement == "next_due":  # the released run of Transfer.Send due a minute ago
         assert rows[0][0] is not None and -70 < rows[0][0] < -50, rows
