@@ -16,11 +16,15 @@ the rate of one key's hand-off (a run finishes, the next of its key is claimed).
     PYTHONPATH=. python bench/keys.py fastpath --before REV [--threads 1,8] [--rounds 4]
     PYTHONPATH=. python bench/keys.py drain [--keys 1000,100,10,1] [--runs 5000] [--workers 3]
     PYTHONPATH=. python bench/keys.py backlog --before REV [--runs 5000] [--workers 3] [--rounds 4]
+        [--workflows 1|2]
 
 `backlog`: runs without keys on the worker path, the code at `--before` against
 this checkout's, each on its own schema: a backlog of `--runs` one-task runs of
 `Bench.One` (inserted by SQL, the same for both) drained by W worker processes
-of that code; alternating ABBA, the median runs/s of each and of the ratios.
+of that code; alternating ABBA, the median runs/s of each and of the ratios, write
+transactions and WAL bytes (server-wide) per run of the drain. `--workflows 2`
+spreads the backlog over `Bench.One` and `Bench.Pickup`, interleaved in due order,
+so that every claim finds runs of both due.
 """
 
 from __future__ import annotations
@@ -212,13 +216,18 @@ def _drain_once(url: str, keyed: bool, keys: int, runs: int, workers: int,
 BACKLOG = """
 WITH runs AS (
     INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq, created_at)
-    SELECT gen_random_uuid(), 'Bench.One', 'pending', jsonb_build_object('n', i), 1, 1,
-           clock_timestamp()
+    SELECT gen_random_uuid(), (%(names)s::text[])[1 + i %% %(mix)s], 'pending',
+           jsonb_build_object('n', i), 1, 1, clock_timestamp()
     FROM generate_series(1, %(runs)s) AS i
-    RETURNING id
+    RETURNING id, workflow
 )
-INSERT INTO workflow_tasks (run_id, seq, name) SELECT id, 1, 'bench.a' FROM runs
+INSERT INTO workflow_tasks (run_id, seq, name)
+SELECT id, 1, CASE workflow WHEN 'Bench.One' THEN 'bench.a' ELSE 'bench.stamp' END FROM runs
 """
+
+# The one-task workflows of bench.apps:factory a backlog is spread over (`--workflows`),
+# their runs interleaved in due order: every claim then finds runs of each due.
+MIX = ["Bench.One", "Bench.Pickup"]
 
 
 def _next_xid(conn: Any) -> int:
@@ -226,10 +235,16 @@ def _next_xid(conn: Any) -> int:
     return int(row[0])
 
 
+def _wal(conn: Any) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn() - '0/0'::pg_lsn").fetchone()
+    return int(row[0])
+
+
 def _backlog_once(root: str, url_name: str, runs: int, workers: int,
-                  concurrency: int) -> tuple[float, float]:
-    """Runs/s of one drain, and write transactions per run of the drain (claims,
-    completions, heartbeats: the backlog's own insert is one transaction)."""
+                  concurrency: int, mix: int) -> tuple[float, float, float]:
+    """Runs/s of one drain, write transactions per run of the drain (claims,
+    completions, heartbeats: the backlog's own insert is one transaction), and WAL
+    bytes per run of the drain (server-wide)."""
     import psycopg
 
     url = scratch_db(url_name, fresh=True)
@@ -243,14 +258,16 @@ def _backlog_once(root: str, url_name: str, runs: int, workers: int,
         psycopg.connect(url, autocommit=True) as conn,
     ):
         with conn.transaction():
-            conn.execute(BACKLOG, {"runs": runs})
-            conn.execute("SELECT pg_notify('workflow_runs', 'Bench.One')")
-        xid = _next_xid(conn)
+            conn.execute(BACKLOG, {"runs": runs, "names": MIX[:mix], "mix": mix})
+            for name in MIX[:mix]:
+                conn.execute("SELECT pg_notify('workflow_runs', %s)", (name,))
+        xid, wal = _next_xid(conn), _wal(conn)
         rate = runs / _until_succeeded(conn, runs)
-        return rate, (_next_xid(conn) - xid) / runs
+        return rate, (_next_xid(conn) - xid) / runs, (_wal(conn) - wal) / runs
 
 
-def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int) -> None:
+def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int,
+            mix: int) -> None:
     old = tempfile.mkdtemp(prefix="pgwf-before-")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", old, before],
                    check=True, capture_output=True)
@@ -258,27 +275,35 @@ def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int)
         roots = {"before": old, "after": REPO}
         rates: dict[str, list[float]] = {"before": [], "after": []}
         xacts: dict[str, list[float]] = {"before": [], "after": []}
+        wals: dict[str, list[float]] = {"before": [], "after": []}
         for r in range(rounds):
             order = ("before", "after") if r % 2 == 0 else ("after", "before")
             for name in order:
-                rate, per_run = _backlog_once(roots[name], f"bench_keys_{name}", runs,
-                                              workers, concurrency)
+                rate, per_run, wal = _backlog_once(roots[name], f"bench_keys_{name}", runs,
+                                                   workers, concurrency, mix)
                 rates[name].append(rate)
                 xacts[name].append(per_run)
+                wals[name].append(wal)
             log(f"backlog: round {r + 1}/{rounds}")
         ratio = statistics.median(a / b for a, b in zip(rates["after"], rates["before"],
                                                          strict=True))
+        wal_ratio = statistics.median(a / b for a, b in zip(wals["after"], wals["before"],
+                                                            strict=True))
         emit({"bench": "keys.backlog", "before_rev": before, "runs": runs, "workers": workers,
+              "workflows": mix, "before_wal": statistics.median(wals["before"]),
+              "after_wal": statistics.median(wals["after"]), "wal after/before": wal_ratio,
               "before_runs_per_s": statistics.median(rates["before"]),
               "after_runs_per_s": statistics.median(rates["after"]), "after/before": ratio,
               "before_write_xacts": statistics.median(xacts["before"]),
               "after_write_xacts": statistics.median(xacts["after"])})
-        print(f"\nunkeyed backlog of {runs}, {workers} workers: before "
+        print(f"\nunkeyed backlog of {runs} over {mix} workflow(s), {workers} workers: before "
               f"{statistics.median(rates['before']):.0f} runs/s, after "
               f"{statistics.median(rates['after']):.0f} runs/s, after/before {ratio:.3f}; "
               f"write transactions per run of the drain: before "
               f"{statistics.median(xacts['before']):.2f}, after "
-              f"{statistics.median(xacts['after']):.2f}")
+              f"{statistics.median(xacts['after']):.2f}; WAL bytes per run: before "
+              f"{statistics.median(wals['before']):.0f}, after "
+              f"{statistics.median(wals['after']):.0f}, after/before {wal_ratio:.3f}")
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
                        check=False, capture_output=True)
@@ -328,11 +353,13 @@ def main() -> None:
     bl.add_argument("--workers", type=int, default=3)
     bl.add_argument("--concurrency", type=int, default=16)
     bl.add_argument("--rounds", type=int, default=4)
+    bl.add_argument("--workflows", type=int, choices=[1, 2], default=1)
     args = parser.parse_args()
     if args.what == "fastpath":
         fastpath(args.before, args.threads, args.rounds, args.slice)
     elif args.what == "backlog":
-        backlog(args.before, args.runs, args.workers, args.concurrency, args.rounds)
+        backlog(args.before, args.runs, args.workers, args.concurrency, args.rounds,
+                args.workflows)
     else:
         drain(args.keys, args.runs, args.workers, args.concurrency, args.rounds)
 
