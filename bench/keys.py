@@ -24,7 +24,8 @@ this checkout's, each on its own schema: a backlog of `--runs` one-task runs of
 of that code; alternating ABBA, the median runs/s of each and of the ratios, write
 transactions and WAL bytes (server-wide) per run of the drain. `--workflows 2`
 spreads the backlog over `Bench.One` and `Bench.Pickup`, interleaved in due order,
-so that every claim finds runs of both due.
+so that every claim finds runs of both due (Pickup's task records an output, One's
+does not: compare before with after at the same `--workflows`).
 """
 
 from __future__ import annotations
@@ -222,12 +223,14 @@ WITH runs AS (
     RETURNING id, workflow
 )
 INSERT INTO workflow_tasks (run_id, seq, name)
-SELECT id, 1, CASE workflow WHEN 'Bench.One' THEN 'bench.a' ELSE 'bench.stamp' END FROM runs
+SELECT id, 1, (%(tasks)s::text[])[array_position(%(names)s::text[], workflow)] FROM runs
 """
 
 # The one-task workflows of bench.apps:factory a backlog is spread over (`--workflows`),
-# their runs interleaved in due order: every claim then finds runs of each due.
-MIX = ["Bench.One", "Bench.Pickup"]
+# with their tasks, their runs interleaved in due order: every claim then finds runs of
+# each due. Bench.Pickup's task records its output (a timestamp), Bench.One's nothing:
+# compare a drain over one with a drain over two only before against after.
+MIX = [("Bench.One", "bench.a"), ("Bench.Pickup", "bench.stamp")]
 
 
 def _next_xid(conn: Any) -> int:
@@ -258,8 +261,10 @@ def _backlog_once(root: str, url_name: str, runs: int, workers: int,
         psycopg.connect(url, autocommit=True) as conn,
     ):
         with conn.transaction():
-            conn.execute(BACKLOG, {"runs": runs, "names": MIX[:mix], "mix": mix})
-            for name in MIX[:mix]:
+            names = [name for name, _ in MIX[:mix]]
+            conn.execute(BACKLOG, {"runs": runs, "names": names, "mix": mix,
+                                   "tasks": [task for _, task in MIX[:mix]]})
+            for name in names:
                 conn.execute("SELECT pg_notify('workflow_runs', %s)", (name,))
         xid, wal = _next_xid(conn), _wal(conn)
         rate = runs / _until_succeeded(conn, runs)
@@ -353,7 +358,7 @@ def main() -> None:
     bl.add_argument("--workers", type=int, default=3)
     bl.add_argument("--concurrency", type=int, default=16)
     bl.add_argument("--rounds", type=int, default=4)
-    bl.add_argument("--workflows", type=int, choices=[1, 2], default=1)
+    bl.add_argument("--workflows", type=int, choices=range(1, len(MIX) + 1), default=1)
     args = parser.parse_args()
     if args.what == "fastpath":
         fastpath(args.before, args.threads, args.rounds, args.slice)
