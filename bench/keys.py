@@ -260,13 +260,15 @@ def _backlog_once(root: str, url_name: str, runs: int, workers: int,
         _workers(root, url, "bench.apps:factory", workers, concurrency),
         psycopg.connect(url, autocommit=True) as conn,
     ):
+        names = [name for name, _ in MIX[:mix]]
+        conn.execute(BACKLOG, {"runs": runs, "names": names, "mix": mix,
+                               "tasks": [task for _, task in MIX[:mix]]})
+        # The counters are read before the workers are woken, so that their first claims
+        # count (a poll may still come first; LISTENing workers wait for the wake-up).
+        xid, wal = _next_xid(conn), _wal(conn)
         with conn.transaction():
-            names = [name for name, _ in MIX[:mix]]
-            conn.execute(BACKLOG, {"runs": runs, "names": names, "mix": mix,
-                                   "tasks": [task for _, task in MIX[:mix]]})
             for name in names:
                 conn.execute("SELECT pg_notify('workflow_runs', %s)", (name,))
-        xid, wal = _next_xid(conn), _wal(conn)
         rate = runs / _until_succeeded(conn, runs)
         return rate, (_next_xid(conn) - xid) / runs, (_wal(conn) - wal) / runs
 
@@ -278,37 +280,40 @@ def backlog(before: str, runs: int, workers: int, concurrency: int, rounds: int,
                    check=True, capture_output=True)
     try:
         roots = {"before": old, "after": REPO}
-        rates: dict[str, list[float]] = {"before": [], "after": []}
-        xacts: dict[str, list[float]] = {"before": [], "after": []}
-        wals: dict[str, list[float]] = {"before": [], "after": []}
+        # Per code and metric, one figure per round: runs/s, write transactions and WAL
+        # bytes per run of the drain.
+        got: dict[str, dict[str, list[float]]] = {
+            name: {"rate": [], "xacts": [], "wal": []} for name in roots
+        }
         for r in range(rounds):
             order = ("before", "after") if r % 2 == 0 else ("after", "before")
             for name in order:
-                rate, per_run, wal = _backlog_once(roots[name], f"bench_keys_{name}", runs,
-                                                   workers, concurrency, mix)
-                rates[name].append(rate)
-                xacts[name].append(per_run)
-                wals[name].append(wal)
+                figures = _backlog_once(roots[name], f"bench_keys_{name}", runs, workers,
+                                        concurrency, mix)
+                for metric, value in zip(("rate", "xacts", "wal"), figures, strict=True):
+                    got[name][metric].append(value)
             log(f"backlog: round {r + 1}/{rounds}")
-        ratio = statistics.median(a / b for a, b in zip(rates["after"], rates["before"],
-                                                         strict=True))
-        wal_ratio = statistics.median(a / b for a, b in zip(wals["after"], wals["before"],
-                                                            strict=True))
+
+        def med(name: str, metric: str) -> float:
+            return statistics.median(got[name][metric])
+
+        def ratio(metric: str) -> float:  # the median of the rounds' after/before
+            return statistics.median(a / b for a, b in zip(
+                got["after"][metric], got["before"][metric], strict=True))
+
         emit({"bench": "keys.backlog", "before_rev": before, "runs": runs, "workers": workers,
-              "workflows": mix, "before_wal": statistics.median(wals["before"]),
-              "after_wal": statistics.median(wals["after"]), "wal after/before": wal_ratio,
-              "before_runs_per_s": statistics.median(rates["before"]),
-              "after_runs_per_s": statistics.median(rates["after"]), "after/before": ratio,
-              "before_write_xacts": statistics.median(xacts["before"]),
-              "after_write_xacts": statistics.median(xacts["after"])})
+              "workflows": mix, "before_wal": med("before", "wal"),
+              "after_wal": med("after", "wal"), "wal after/before": ratio("wal"),
+              "before_runs_per_s": med("before", "rate"),
+              "after_runs_per_s": med("after", "rate"), "after/before": ratio("rate"),
+              "before_write_xacts": med("before", "xacts"),
+              "after_write_xacts": med("after", "xacts")})
         print(f"\nunkeyed backlog of {runs} over {mix} workflow(s), {workers} workers: before "
-              f"{statistics.median(rates['before']):.0f} runs/s, after "
-              f"{statistics.median(rates['after']):.0f} runs/s, after/before {ratio:.3f}; "
-              f"write transactions per run of the drain: before "
-              f"{statistics.median(xacts['before']):.2f}, after "
-              f"{statistics.median(xacts['after']):.2f}; WAL bytes per run: before "
-              f"{statistics.median(wals['before']):.0f}, after "
-              f"{statistics.median(wals['after']):.0f}, after/before {wal_ratio:.3f}")
+              f"{med('before', 'rate'):.0f} runs/s, after {med('after', 'rate'):.0f} runs/s, "
+              f"after/before {ratio('rate'):.3f}; write transactions per run of the drain: "
+              f"before {med('before', 'xacts'):.2f}, after {med('after', 'xacts'):.2f}; WAL "
+              f"bytes per run: before {med('before', 'wal'):.0f}, after "
+              f"{med('after', 'wal'):.0f}, after/before {ratio('wal'):.3f}")
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
                        check=False, capture_output=True)
