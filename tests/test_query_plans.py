@@ -147,9 +147,7 @@ def _uses_index(scans: list[tuple[str, str | None, str | None]], index: str) -> 
 # Either partial index of the open, unclaimed runs (same predicate): the planner may
 # pick the one whose order suits it.
 OPEN_RUNS = "an index of the open unclaimed runs"
-OPEN_RUN_INDEXES = (
-    "workflow_runs_claimable", "workflow_runs_ready", "workflow_runs_ready_per_workflow",
-)
+OPEN_RUN_INDEXES = ("workflow_runs_claimable", "workflow_runs_ready_per_workflow")
 
 # The claims' index since migration 0010: the ready runs by workflow, then due time.
 READY = "workflow_runs_ready_per_workflow"
@@ -563,9 +561,7 @@ def test_the_claim_of_one_keys_next_run_is_a_few_index_probes(
     }
     scans = _scans(_plan(keyed_db, "claim_key_head", params))
     _assert_no_seq_scan(scans)
-    assert not _uses_index(scans, "workflow_runs_ready"), scans
     assert not _uses_index(scans, READY), scans
-    assert not _uses_index(scans, "workflow_runs_due"), scans
     plan, rows = _analyzed(keyed_db, "claim_key_head", params)
     assert len({row[0] for row in rows}) == 1
     print(f"\none key's next run: {_buffers(plan)} pages")
@@ -783,7 +779,6 @@ def test_the_plan_kept_finds_runs_by_index(
     if statement != "complete_tasks":
         assert _uses_index(scans, READY), scans
         assert not _uses_index(scans, "workflow_runs_claimable"), scans
-        assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
 # Other workflows' backlogs (SPEC 11: several services may share the tables): a claim reads

@@ -225,9 +225,9 @@ ORDER BY t.seq;
 -- (`given`).
 -- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
 -- predicate spells it, so that no other index's predicate follows from the query: with `claim_id IS NULL
--- AND finished_at IS NULL` the planner could read workflow_runs_ready (by due time alone, kept one
--- release for the previous code) and filter on the workflow, which reads every other workflow's due
--- runs, or workflow_runs_claimable (by creation) and sort the whole backlog at every claim, as it did
+-- AND finished_at IS NULL` the planner could read workflow_runs_claimable (by creation) and sort the
+-- whole backlog at every claim (or, until 0011 dropped it, workflow_runs_ready, by due time alone, and
+-- filter on the workflow, reading every other workflow's due runs), as it did
 -- on a table whose statistics were taken before the backlog came (1.2 ms of server CPU a job).
 -- The parameters are read through `given`, one materialized row, so that no estimate depends on their
 -- values: the plan PostgreSQL makes without them is then as cheap as one made for them, so after five
