@@ -438,3 +438,34 @@ def test_a_failing_on_manager_closes_what_it_built(
     wait_until(lambda: other_backends(db) == 0, "the pool it built to be closed")
     with pytest.raises(TypeError, match="on_manager must be callable"):
         WorkflowExtension(registry=reg, on_manager="workflow.metrics:instrument")  # type: ignore[arg-type]
+
+
+def test_keyed_runs_waiting_for_a_slot_are_open_but_not_claimable(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """The gauges and `stats` read the open runs in two parts (those that may be claimed,
+    and the keyed runs waiting for a slot): each run is counted once, in its status."""
+    from test_query_plans import readme_keda_query
+
+    keyed = workflow.Workflow("Transfer.Send", Inp)
+    reg = workflow.Registry()
+    reg.register(workflow.define(keyed, workflow.handle(A, lambda run: Out("x")),
+                                 concurrency_key=lambda i: "acct", concurrency=1))
+    mgr = make_manager(reg)
+    prom = prometheus_client.CollectorRegistry()
+    metrics.instrument(mgr, prom, gauge_cache=0)
+    with db.transaction():
+        runs = [keyed.start_tx(db, mgr, Inp(i)) for i in range(4)]
+    db.execute(  # the key's slot given to the first run: it may be claimed now
+        "UPDATE workflow_runs SET key_slot = 0 WHERE id = %s", (runs[0].id,)
+    )
+    db.execute(  # the last run cancelled: finished, in no open count
+        "UPDATE workflow_runs SET status = 'cancelled', finished_at = now() WHERE id = %s",
+        (runs[3].id,),
+    )
+    assert value(prom, "pgworkflow_runs", workflow="Transfer.Send", status="pending") == 3
+    assert value(prom, "pgworkflow_claimable_runs", workflow="Transfer.Send") == 1
+    with workflow.Admin(db_url) as admin:
+        (stats,) = admin.stats().workflows
+    assert (stats.pending, stats.running, stats.claimable) == (3, 0, 1)
+    assert db.execute(readme_keda_query()).fetchone() == (1,)

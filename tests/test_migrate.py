@@ -553,7 +553,7 @@ RUN_INDEXES = {
     "workflow_runs_idempotency": "start with an idempotency key",
     "workflow_runs_claims": "heartbeat, sweep, a claim's recovery after a lost reply",
     "workflow_runs_ready_per_workflow": "the claims (0010) and next_due",
-    "workflow_runs_claimable": "metrics gauges, stats and the README's KEDA query of 0010",
+    "workflow_runs_claimable": "the metrics, stats and README KEDA query of 0010 (one release)",
     "workflow_runs_key_slots": "per-key limits: the slots held",
     "workflow_runs_key_queue": "per-key limits: the runs waiting for a slot",
     "workflow_runs_key_due": "next_due's keyed half",

@@ -962,10 +962,16 @@ WHERE status = %(status)s AND finished_at IS NOT NULL
 
 -- name: queue_stats
 -- Per workflow: runs pending and running, claimable now (not a keyed run waiting for a slot), the oldest claimable's age (s), stale claims, parked, and finished in the last day.
+-- The open, unclaimed runs are read in two disjoint parts: those that may be claimed, through the claims'
+-- index (spelt as its predicate is), and the keyed runs waiting for a slot, through an index of theirs.
 WITH open AS (
-    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at,
-           concurrency_key IS NULL OR key_slot IS NOT NULL AS ready
-    FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, true AS ready
+    FROM workflow_runs WHERE num_nonnulls(claim_id, finished_at) = 0
+                         AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+    UNION ALL
+    SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, false
+    FROM workflow_runs WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+                         AND claim_id IS NULL
     UNION ALL
     SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, false
     FROM workflow_runs WHERE claim_id IS NOT NULL
@@ -1002,12 +1008,18 @@ FROM per GROUP BY workflow ORDER BY workflow;
 -- name: queue_gauges
 -- Per workflow and status, the runs not finished and the parked ones; of those, how many are claimable
 -- now (a keyed run waiting for a slot is not) and the oldest claimable's age (s); and per workflow the claims whose heartbeat is older than
--- stale_after. Each branch reads one partial index (claimable, claimed, finished), never the history.
+-- stale_after. Each branch reads one partial index, never the history: the unclaimed runs that may be
+-- claimed (the claims' index), the keyed runs waiting for a slot (an index of theirs), the claimed runs, and the
+-- finished ones.
 WITH open AS (
-    SELECT workflow, status,
-           next_retry_at <= now() AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AS claimable,
+    SELECT workflow, status, next_retry_at <= now() AS claimable,
            greatest(created_at, next_retry_at) AS since, false AS stale
-    FROM workflow_runs WHERE claim_id IS NULL AND finished_at IS NULL
+    FROM workflow_runs WHERE num_nonnulls(claim_id, finished_at) = 0
+                         AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
+    UNION ALL
+    SELECT workflow, status, false, NULL, false
+    FROM workflow_runs WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
+                         AND claim_id IS NULL
     UNION ALL
     SELECT workflow, status, false, NULL,
            heartbeat_at < now() - make_interval(secs => %(stale_after)s)
