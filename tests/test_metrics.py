@@ -464,6 +464,7 @@ def test_keyed_runs_waiting_for_a_slot_are_open_but_not_claimable(
         (runs[3].id,),
     )
     assert value(prom, "pgworkflow_runs", workflow="Transfer.Send", status="pending") == 3
+    assert value(prom, "pgworkflow_runs", workflow="Transfer.Send", status="cancelled") == 0
     assert value(prom, "pgworkflow_claimable_runs", workflow="Transfer.Send") == 1
     with workflow.Admin(db_url) as admin:
         (stats,) = admin.stats().workflows

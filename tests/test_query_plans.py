@@ -267,7 +267,7 @@ def test_queue_stats_read_only_unfinished_parked_and_recent_runs(
     plan_db: psycopg.Connection[Any],
 ) -> None:
     scans = _scans(_plan(plan_db, "queue_stats", {"stale_after": 600.0}))
-    _assert_reads_the_open_runs_without_the_claimable_index(scans)
+    _assert_reads_the_open_runs_through_the_claims_and_keys_indexes(scans)
     assert _uses_index(scans, "workflow_runs_claims"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
@@ -278,35 +278,48 @@ def test_the_metrics_gauges_read_only_open_and_parked_runs(
 ) -> None:
     """SPEC 13: the scrape's one query reads the partial indexes, never the history."""
     scans = _scans(_plan(plan_db, "queue_gauges", {"stale_after": 600.0}))
-    _assert_reads_the_open_runs_without_the_claimable_index(scans)
+    _assert_reads_the_open_runs_through_the_claims_and_keys_indexes(scans)
     assert _uses_index(scans, "workflow_runs_claims"), scans
     assert _uses_index(scans, "workflow_runs_finished"), scans
     _assert_no_seq_scan(scans)
 
 
-def _assert_reads_the_open_runs_without_the_claimable_index(
+def _assert_reads_the_open_runs_through_the_claims_and_keys_indexes(
     scans: list[tuple[str, str | None, str | None]],
 ) -> None:
     """The open, unclaimed runs read as two disjoint parts: those that may be claimed (the
-    claims' index) and the keyed runs waiting for a slot (an index of theirs), so that
-    workflow_runs_claimable, which costs an entry at every insert of a run for a poller,
-    can be dropped a release after this one (the queries of 0010 read it)."""
+    claims' index) and the keyed runs waiting for a slot (an index of theirs), and through
+    neither workflow_runs_claimable nor workflow_runs_ready, which cost an entry at every
+    insert of a run for a poller and go in the next release (the queries of 0010 and the
+    KEDA query of its README read them). The keyed part spells "unclaimed" as
+    `num_nonnulls(claim_id) = 0`, so that neither index's predicate follows from it."""
     assert _uses_index(scans, READY), scans
     # Both hold exactly the keyed runs waiting for a slot (same predicate).
     assert _uses_index(scans, "workflow_runs_key_queue") or _uses_index(
         scans, "workflow_runs_key_due"), scans
     assert not _uses_index(scans, "workflow_runs_claimable"), scans
+    assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
 MILLION = 1_000_000
 
 
+def _readme() -> str:
+    return (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
+
+
 def readme_keda_query() -> str:
     """The KEDA scaler query as the README gives it (between its marker comments)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text("utf-8")
-    match = re.search(r"-- keda: claimable backlog\n(.*?);", readme, flags=re.S)
+    match = re.search(r"-- keda: claimable backlog\n(.*?);", _readme(), flags=re.S)
     assert match is not None, "the README's KEDA query (marked `-- keda: claimable backlog`)"
     return match.group(1)
+
+
+def test_the_readme_keda_trigger_runs_the_query_the_readme_gives() -> None:
+    """The scaler's YAML (what a reader copies) is the SQL block the plan test runs."""
+    match = re.search(r'^\s*query: "(.*)"$', _readme(), flags=re.M)
+    assert match is not None, "the README's KEDA trigger (`query: \"...\"`)"
+    assert match.group(1).split() == readme_keda_query().split()
 
 
 @pytest.fixture(scope="module")
@@ -567,7 +580,9 @@ def test_the_claim_of_one_keys_next_run_is_a_few_index_probes(
     }
     scans = _scans(_plan(keyed_db, "claim_key_head", params))
     _assert_no_seq_scan(scans)
+    assert not _uses_index(scans, "workflow_runs_ready"), scans
     assert not _uses_index(scans, READY), scans
+    assert not _uses_index(scans, "workflow_runs_due"), scans
     plan, rows = _analyzed(keyed_db, "claim_key_head", params)
     assert len({row[0] for row in rows}) == 1
     print(f"\none key's next run: {_buffers(plan)} pages")
@@ -785,6 +800,7 @@ def test_the_plan_kept_finds_runs_by_index(
     if statement != "complete_tasks":
         assert _uses_index(scans, READY), scans
         assert not _uses_index(scans, "workflow_runs_claimable"), scans
+        assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
 # Other workflows' backlogs (SPEC 11: several services may share the tables): a claim reads

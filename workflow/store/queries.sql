@@ -225,9 +225,9 @@ ORDER BY t.seq;
 -- (`given`).
 -- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
 -- predicate spells it, so that no other index's predicate follows from the query: with `claim_id IS NULL
--- AND finished_at IS NULL` the planner could read workflow_runs_claimable (by creation) and sort the
--- whole backlog at every claim (or, until 0011 dropped it, workflow_runs_ready, by due time alone, and
--- filter on the workflow, reading every other workflow's due runs), as it did
+-- AND finished_at IS NULL` the planner could read workflow_runs_ready (by due time alone, kept one
+-- release for the previous code) and filter on the workflow, which reads every other workflow's due
+-- runs, or workflow_runs_claimable (by creation) and sort the whole backlog at every claim, as it did
 -- on a table whose statistics were taken before the backlog came (1.2 ms of server CPU a job).
 -- The parameters are read through `given`, one materialized row, so that no estimate depends on their
 -- values: the plan PostgreSQL makes without them is then as cheap as one made for them, so after five
@@ -963,7 +963,8 @@ WHERE status = %(status)s AND finished_at IS NOT NULL
 -- name: queue_stats
 -- Per workflow: runs pending and running, claimable now (not a keyed run waiting for a slot), the oldest claimable's age (s), stale claims, parked, and finished in the last day.
 -- The open, unclaimed runs are read in two disjoint parts: those that may be claimed, through the claims'
--- index (spelt as its predicate is), and the keyed runs waiting for a slot, through an index of theirs.
+-- index (spelt as its predicate is), and the keyed runs waiting for a slot, through an index of theirs
+-- ("unclaimed" spelt so that workflow_runs_claimable's predicate does not follow: it goes next release).
 WITH open AS (
     SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, true AS ready
     FROM workflow_runs WHERE num_nonnulls(claim_id, finished_at) = 0
@@ -971,7 +972,7 @@ WITH open AS (
     UNION ALL
     SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, false
     FROM workflow_runs WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
-                         AND claim_id IS NULL
+                         AND num_nonnulls(claim_id) = 0
     UNION ALL
     SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, false
     FROM workflow_runs WHERE claim_id IS NOT NULL
@@ -1019,7 +1020,7 @@ WITH open AS (
     UNION ALL
     SELECT workflow, status, false, NULL, false
     FROM workflow_runs WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
-                         AND claim_id IS NULL
+                         AND num_nonnulls(claim_id) = 0
     UNION ALL
     SELECT workflow, status, false, NULL,
            heartbeat_at < now() - make_interval(secs => %(stale_after)s)
