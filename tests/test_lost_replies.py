@@ -22,6 +22,7 @@ connection, and each statement must recognise its own earlier success:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +35,7 @@ from replyproxy import ReplyProxy
 
 import workflow
 from workflow import Status
+from workflow.store import _Q
 
 pytestmark = pytest.mark.direct(reason="the proxy stands where PgBouncer would")
 
@@ -41,7 +43,10 @@ A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
 
 # Text of the engine's statements, as sent (the same in the old and new SQL).
-CLAIM_BATCH = "AND workflow = ANY("
+# A poller's claim (claim_runs: its workflows are its first parameter; the completer's claim
+# has them ninth). Until migration 0011 this was "AND workflow = ANY(", which since 0010's
+# claims matched only next_due: the test meant for a lost claim dropped next_due's reply.
+CLAIM_BATCH = "SELECT ARRAY(SELECT DISTINCT unnest($1::text[])) AS workflows"
 CLAIM_BY_ID = "WHERE id = $1 AND claim_id IS NULL AND finished_at IS NULL"
 INSERT = "INSERT INTO workflow_runs"
 FAILURE = "error_code = $"
@@ -50,6 +55,39 @@ RELEASE = "SET claim_id = NULL, heartbeat_at = NULL"
 CANCEL = "SET status = 'cancelled'"
 RESUME = "SET status = 'running', finished_at = NULL"
 CLAIM_KEY_HEADS = "key_slot = numbered.slot"
+
+# The statements each text above is meant to catch: a text that no longer matches what its
+# test means (a statement rewritten) would drop some other statement's reply, or none.
+MEANT = {
+    CLAIM_BATCH: {"claim_runs"},
+    CLAIM_BY_ID: {"claim_run"},
+    INSERT: {"insert_run", "insert_idempotent_run", "insert_runs", "insert_keyed_run",
+             "fork_run"},
+    FAILURE: {"fail_task", "park_run"},
+    OUTPUT: {"complete_task"},
+    RELEASE: {"release_claim", "release_claims", "sweep"},
+    CANCEL: {"cancel_runs"},
+    RESUME: {"resume_runs"},
+    CLAIM_KEY_HEADS: {"claim_key_heads"},
+}
+
+
+def _as_sent(sql: str) -> str:
+    """A statement's text as psycopg sends it: `%(name)s` numbered `$n` in order of first
+    appearance, `%%` as `%`."""
+    numbers: dict[str, int] = {}
+
+    def number(match: re.Match[str]) -> str:
+        return f"${numbers.setdefault(match.group(1), len(numbers) + 1)}"
+
+    return re.sub(r"%\((\w+)\)s", number, sql).replace("%%", "%")
+
+
+@pytest.mark.parametrize("text", list(MEANT))
+def test_each_dropped_text_is_in_the_statements_it_means_and_no_other(text: str) -> None:
+    """Until migration 0011, CLAIM_BATCH matched next_due alone (0010 rewrote the claims):
+    the test of a poller's lost claim dropped next_due's reply and passed."""
+    assert {name for name, sql in _Q.items() if text in _as_sent(sql)} == MEANT[text]
 
 
 @pytest.fixture
