@@ -514,37 +514,43 @@ def test_an_application_yoyo_chain_applies_alongside_ours(
     assert schema_version(empty_db_url) == SCHEMA_VERSION
 
 
-def test_0010_rebuilds_its_index_left_invalid_by_a_failed_concurrent_build(
-    empty_db_url: str,
+# Migrations that build an index no other serves, and rebuild it when a failed `CREATE INDEX
+# CONCURRENTLY` (their headers suggest building it so) left it invalid: (migration, index,
+# its columns, its predicate).
+REBUILDING = [
+    ("0010_ready_per_workflow", "workflow_runs_ready_per_workflow",
+     "(workflow, next_retry_at, created_at, id)", "num_nonnulls(claim_id, finished_at) = 0"),
+    ("0011_key_due_per_workflow", "workflow_runs_key_due_per_workflow",
+     "(workflow, next_retry_at)", "num_nonnulls(finished_at, key_slot) = 0"),
+]
+
+
+@pytest.mark.parametrize(("migration", "index", "columns", "predicate"), REBUILDING)
+def test_a_migration_rebuilds_its_index_left_invalid_by_a_failed_concurrent_build(
+    empty_db_url: str, migration: str, index: str, columns: str, predicate: str
 ) -> None:
-    """The claims of 0010 have no other index to read: an index of its name that a `CREATE
-    INDEX CONCURRENTLY` left invalid (the migration's header suggests building it so) is not
-    kept by IF NOT EXISTS, but dropped and built again."""
+    """The queries that read such an index have no other to read: one of its name that is
+    invalid is not kept by IF NOT EXISTS, but dropped and built again."""
     migrate(empty_db_url)
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        conn.execute("DROP INDEX workflow_runs_ready_per_workflow")
+        conn.execute(f"DROP INDEX {index}")
         conn.execute(
             "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq)"
             " SELECT gen_random_uuid(), 'W', 'pending', '{}', 1, 1 FROM generate_series(1, 2)"
         )
         with pytest.raises(psycopg.errors.UniqueViolation):  # fails, leaving it invalid
-            conn.execute(
-                "CREATE UNIQUE INDEX CONCURRENTLY workflow_runs_ready_per_workflow"
-                " ON workflow_runs (workflow)"
-            )
-        conn.execute(
-            "DELETE FROM workflow_yoyo_migration WHERE migration_id = '0010_ready_per_workflow'"
-        )
-    assert migrate(empty_db_url) == ["0010_ready_per_workflow"]
+            conn.execute(f"CREATE UNIQUE INDEX CONCURRENTLY {index} ON workflow_runs (workflow)")
+        conn.execute("DELETE FROM workflow_yoyo_migration WHERE migration_id = %s", (migration,))
+    assert migrate(empty_db_url) == [migration]
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
         row = conn.execute(
             "SELECT i.indisvalid, pg_get_indexdef(i.indexrelid) FROM pg_index i"
-            " WHERE i.indexrelid = 'workflow_runs_ready_per_workflow'::regclass"
+            " WHERE i.indexrelid = %s::regclass",
+            (index,),
         ).fetchone()
     assert row is not None and row[0] is True
-    assert "(workflow, next_retry_at, created_at, id)" in row[1]
-    assert "num_nonnulls(claim_id, finished_at) = 0" in row[1]
-
+    assert columns in row[1]
+    assert predicate in row[1]
 
 
 # Every index of workflow_runs and what reads it. An index no query reads still costs an
@@ -554,12 +560,13 @@ RUN_INDEXES = {
     "workflow_runs_idempotency": "start with an idempotency key",
     "workflow_runs_claims": "heartbeat, sweep, a claim's recovery after a lost reply",
     "workflow_runs_ready_per_workflow": "the claims (0010), next_due, gauges, stats, KEDA",
-    # Read by nothing of this release; the next drops both.
+    # Read by nothing of this release; the next drops them (and workflow_runs_key_due).
     "workflow_runs_ready": "the claims of 0008 and 0009, the README KEDA query until 0010",
     "workflow_runs_claimable": "the gauges and stats of 0010, the README KEDA query until 0010",
     "workflow_runs_key_slots": "per-key limits: the slots held",
     "workflow_runs_key_queue": "per-key limits: the runs waiting for a slot",
-    "workflow_runs_key_due": "next_due's keyed half",
+    "workflow_runs_key_due": "next_due's keyed half until 0010 (dropped next release)",
+    "workflow_runs_key_due_per_workflow": "next_due's keyed half (0011)",
     "workflow_runs_finished": "prune, stats and gauges of finished runs",
     "workflow_runs_created": "listing newest first",
 }

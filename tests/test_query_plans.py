@@ -814,7 +814,8 @@ FOREIGN_STATEMENTS = ["claim_runs", "complete_tasks_claiming", "next_due"]
 def foreign_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any]]:
     """The history of `plan_db`, and 20k runs of a workflow nobody here serves (another
     service's backlog, or the runs a renamed workflow left behind), all due, created a day
-    before everything else; analysed."""
+    before everything else, and 20k keyed runs of it started with a delay, due within the
+    hour, waiting for their key; analysed."""
     name = create_database(pg_url, template_db)
     try:
         with psycopg.connect(with_dbname(pg_url, name), autocommit=True) as conn:
@@ -827,6 +828,22 @@ def foreign_db(pg_url: str, template_db: str) -> Iterator[psycopg.Connection[Any
                     SELECT gen_random_uuid(), 'Other.Service', 'pending', '{}'::jsonb, 1, 1,
                            now() - interval '1 day' + i * interval '1 millisecond',
                            now() - interval '1 day' + i * interval '1 millisecond'
+                    FROM generate_series(1, %(n)s) AS i
+                    RETURNING id
+                )
+                INSERT INTO workflow_tasks (run_id, seq, name) SELECT id, 1, 'task.1' FROM run
+                """,
+                {"n": FOREIGN_RUNS},
+            )
+            conn.execute(
+                """
+                WITH run AS (
+                    INSERT INTO workflow_runs (id, workflow, status, input, task_count,
+                                               current_seq, next_retry_at, created_at,
+                                               concurrency_key)
+                    SELECT gen_random_uuid(), 'Other.Service', 'pending', '{}'::jsonb, 1, 1,
+                           now() + interval '1 minute' + i * interval '100 microseconds',
+                           now() - interval '1 day', sha256((i %% 100)::text::bytea)
                     FROM generate_series(1, %(n)s) AS i
                     RETURNING id
                 )
@@ -854,7 +871,9 @@ def test_a_claim_never_reads_the_due_runs_of_workflows_it_does_not_serve(
     foreign_db: psycopg.Connection[Any], statement: str, plan: str
 ) -> None:
     """A worker's claims (its poller's, its completer's) and its next due time, with 20k runs
-    of another workflow due before its own: a few dozen pages, not the other's 20k runs.
+    of another workflow due before its own, and 20k keyed runs of it started with a delay
+    (which the next due time's keyed half read, in due order, until migration 0011): a few
+    dozen pages, not the other's 20k runs.
     Reading them cost every claim of every worker ~2.5 ms per 10k such runs: a drain of
     10k runs fell from 5,400 to 2,250 runs/s beside 10k due runs of another workflow, and
     to 490 beside 100k."""

@@ -321,8 +321,9 @@ ORDER BY t.seq;
 -- name: next_due
 -- Seconds until the earliest unclaimed, unfinished run of the given workflows is due (negative:
 -- overdue; NULL: none): the first entry of each workflow in workflow_runs_ready_per_workflow (read as
--- claim_runs reads it), or the first of workflow_runs_key_due still to come (a keyed run started with a
--- delay, waiting for a slot).
+-- claim_runs reads it), or each workflow's first in workflow_runs_key_due_per_workflow still to come (a
+-- keyed run started with a delay, waiting for a slot). Neither half visits the runs of other workflows.
+-- Each half spells its predicate as its index does (num_nonnulls), so that no other index serves it.
 SELECT extract(epoch FROM least(
     (SELECT min(first.at)
      FROM unnest(%(workflows)s::text[]) AS w (name),
@@ -330,9 +331,12 @@ SELECT extract(epoch FROM least(
                    WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
                      AND (concurrency_key IS NULL OR key_slot IS NOT NULL)
                    ORDER BY next_retry_at LIMIT 1) AS first (at)),
-    (SELECT min(next_retry_at) FROM workflow_runs
-     WHERE finished_at IS NULL AND concurrency_key IS NOT NULL AND key_slot IS NULL
-       AND next_retry_at > now() AND workflow = ANY(%(workflows)s::text[]))
+    (SELECT min(first.at)
+     FROM unnest(%(workflows)s::text[]) AS w (name),
+          LATERAL (SELECT next_retry_at FROM workflow_runs
+                   WHERE workflow = w.name AND num_nonnulls(finished_at, key_slot) = 0
+                     AND concurrency_key IS NOT NULL AND next_retry_at > now()
+                   ORDER BY next_retry_at LIMIT 1) AS first (at))
 ) - now())::float8;
 
 
