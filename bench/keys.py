@@ -6,7 +6,14 @@ keyed backlogs drain.
 checkout's (on this checkout's schema), each in its own process, alternating
 ABBA in slices from T threads. Per slice: runs/s, client CPU, server CPU (every
 `postgres` process), WAL bytes and write transactions per run; medians, and the
-median of the per-pair ratios after/before.
+median of the per-pair ratios after/before. WAL bytes are the server's LSN
+difference (checkpoints' full-page images and vacuum's records fall in it) and,
+where the server has pg_walinspect, also `own_wal_bytes`: the records of the
+slice's own transactions.
+
+`enqueue`: the same A/B of what a web view does to hand work to the workers, a
+one-task `Bench.One` `start_tx` in its own transaction (one commit a start), from
+T threads each on its own connection.
 
 `drain`: a backlog of `--runs` one-task runs (`Bench.Keyed`, one run per account
 at once) spread over K accounts, committed in one transaction while W worker
@@ -14,6 +21,7 @@ processes wait, drained; beside the same backlog of `Bench.Unkeyed`. K = 1 gives
 the rate of one key's hand-off (a run finishes, the next of its key is claimed).
 
     PYTHONPATH=. python bench/keys.py fastpath --before REV [--threads 1,8] [--rounds 4]
+    PYTHONPATH=. python bench/keys.py enqueue --before REV [--threads 1,4] [--rounds 4]
     PYTHONPATH=. python bench/keys.py drain [--keys 1000,100,10,1] [--runs 5000] [--workers 3]
     PYTHONPATH=. python bench/keys.py backlog --before REV [--runs 5000] [--workers 3] [--rounds 4]
         [--workflows 1|2]
@@ -55,27 +63,46 @@ def _spent(before: Any, after: Any) -> float:
     return float(sum(t - before.get(pid, 0.0) for pid, t in after.items()))
 
 
-def child(url: str, threads: int, seconds: float) -> None:
-    """One slice of the fast path, with the `workflow` found first on PYTHONPATH (and the
-    bench modules of that revision too, old or new)."""
+def child(workload: str, url: str, threads: int, seconds: float) -> None:
+    """One slice of `workload` (`fastpath` or `enqueue`), with the `workflow` found first on
+    PYTHONPATH (and the bench modules of that revision too, old or new)."""
+    import psycopg
+
     import workflow
-    from bench.apps import Order, OrderFlow, order_registry
     from bench.common import slice_loops
     from bench.typed import _Server
 
-    mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
+    conns: list[Any] = []
+    if workload == "fastpath":
+        from bench.apps import Order, OrderFlow, order_registry
 
-    def engine(i: int, n: int) -> None:
-        run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
-        if run.wait(timeout=30) is not workflow.Status.SUCCEEDED:
-            raise RuntimeError(f"run {run.id} did not succeed")
+        mgr = workflow.Manager(url, order_registry(), workflow.Config(tracing=False))
 
-    slice_loops(engine, threads, 0.5, 0)  # warm up
+        def one(i: int, n: int) -> None:
+            run = OrderFlow.start(mgr, Order(order_id=n, cents=100 + n % 900))
+            if run.wait(timeout=30) is not workflow.Status.SUCCEEDED:
+                raise RuntimeError(f"run {run.id} did not succeed")
+    else:
+        from bench.apps import BenchInput, One, registry
+
+        mgr = workflow.Manager(url, registry(), workflow.Config(tracing=False))
+        conns = [psycopg.connect(url) for _ in range(threads)]
+
+        def one(i: int, n: int) -> None:  # a web view's start_tx: one commit a start
+            with conns[i].transaction():
+                One.start_tx(conns[i], mgr, BenchInput(n=n))
+
+    slice_loops(one, threads, 0.5, 0)  # warm up
     server = _Server(url)
-    cpu0, wal0, xid0 = server.read()
-    runs, client = slice_loops(engine, threads, seconds, 10_000_000 * int(time.time() % 100))
-    cpu1, wal1, xid1 = server.read()
+    with psycopg.connect(url, autocommit=True) as probe:
+        lsn0 = _flushed(probe)
+        cpu0, wal0, xid0 = server.read()
+        runs, client = slice_loops(one, threads, seconds, 10_000_000 * int(time.time() % 100))
+        cpu1, wal1, xid1 = server.read()
+        own = _own_wal(probe, lsn0, _flushed(probe), xid0, xid1)
     server.close()
+    for conn in conns:
+        conn.close()
     mgr.close()
     per = max(runs, 1)
     print("SLICE " + json.dumps({
@@ -83,15 +110,41 @@ def child(url: str, threads: int, seconds: float) -> None:
         "client_cpu_ms": 1000 * client / per,
         "server_cpu_ms": 1000 * _spent(cpu0, cpu1) / per,
         "wal_bytes": (wal1 - wal0) / per,
+        "own_wal_bytes": None if own is None else own / per,
         "write_xacts": (xid1 - xid0) / per,
         "code": os.path.dirname(os.path.dirname(workflow.__file__)),
     }), flush=True)
 
 
-def _slice(root: str, url: str, threads: int, seconds: float) -> dict[str, Any]:
+def _flushed(conn: Any) -> str:
+    row = conn.execute("SELECT pg_current_wal_flush_lsn()::text").fetchone()
+    return str(row[0])
+
+
+def _own_wal(conn: Any, lsn0: str, lsn1: str, xid0: int, xid1: int) -> int | None:
+    """Bytes of the WAL records of the transactions that began between two readings of the
+    next xid (the slice's own, when nothing else writes meanwhile: no checkpoint's or
+    vacuum's records, which a server-wide LSN difference counts), read with pg_walinspect;
+    None without that extension."""
+    row = conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_walinspect'").fetchone()
+    if row is None:
+        return None
+    low, high = xid0 & 0xFFFFFFFF, xid1 & 0xFFFFFFFF
+    if high < low:  # the 32-bit xid wrapped within the slice
+        return None
+    row = conn.execute(
+        "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s, %s)"
+        " WHERE xid::text::bigint >= %s AND xid::text::bigint < %s",
+        (lsn0, lsn1, low, high),
+    ).fetchone()
+    return int(row[0])
+
+
+def _slice(workload: str, root: str, url: str, threads: int, seconds: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "keys.py"), "child", url, str(threads), str(seconds)],
+        [sys.executable, os.path.join(HERE, "keys.py"), "child", workload, url, str(threads),
+         str(seconds)],
         env=env, cwd=root, check=True, capture_output=True, text=True,
     ).stdout
     [line] = [line for line in out.splitlines() if line.startswith("SLICE ")]
@@ -100,7 +153,10 @@ def _slice(root: str, url: str, threads: int, seconds: float) -> dict[str, Any]:
     return result
 
 
-def fastpath(before: str, threads_list: list[int], rounds: int, seconds: float) -> None:
+def ab(workload: str, before: str, threads_list: list[int], rounds: int,
+       seconds: float) -> None:
+    """`workload` (`fastpath` or `enqueue`) of the code at `before` against this checkout's,
+    alternating ABBA in slices from each thread count."""
     old = tempfile.mkdtemp(prefix="pgwf-before-")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", old, before],
                    check=True, capture_output=True)
@@ -114,16 +170,20 @@ def fastpath(before: str, threads_list: list[int], rounds: int, seconds: float) 
                  urls[name]],
                 env={**os.environ, "PYTHONPATH": root}, cwd=root, check=True,
             )
+            _walinspect(urls[name])
         roots = {"before": old, "after": REPO}
         for threads in threads_list:
             samples: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
             for r in range(rounds):
                 order = ("before", "after") if r % 2 == 0 else ("after", "before")
                 for name in order:
-                    samples[name].append(_slice(roots[name], urls[name], threads, seconds))
-                log(f"fastpath: {threads} thread(s), round {r + 1}/{rounds}")
-            keys = ("runs_per_s", "client_cpu_ms", "server_cpu_ms", "wal_bytes", "write_xacts")
-            result: dict[str, Any] = {"bench": "keys.fastpath", "threads": threads,
+                    samples[name].append(
+                        _slice(workload, roots[name], urls[name], threads, seconds))
+                log(f"{workload}: {threads} thread(s), round {r + 1}/{rounds}")
+            keys = ["runs_per_s", "client_cpu_ms", "server_cpu_ms", "wal_bytes", "write_xacts"]
+            if all(s["own_wal_bytes"] is not None for n in samples for s in samples[n]):
+                keys.insert(4, "own_wal_bytes")
+            result: dict[str, Any] = {"bench": f"keys.{workload}", "threads": threads,
                                       "before_rev": before}
             for name in ("before", "after"):
                 result[name] = {k: statistics.median(s[k] for s in samples[name]) for k in keys}
@@ -134,12 +194,24 @@ def fastpath(before: str, threads_list: list[int], rounds: int, seconds: float) 
                 for k in keys
             }
             emit(result)
-            print(f"\n{threads} thread(s)      " + "".join(f"{k:>15}" for k in keys))
+            print(f"\n{workload}, {threads} thread(s)  " + "".join(f"{k:>15}" for k in keys))
             for name in ("before", "after", "after/before"):
                 print(f"  {name:<16}" + "".join(f"{result[name][k]:>15.3f}" for k in keys))
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
                        check=False, capture_output=True)
+
+
+def _walinspect(url: str) -> None:
+    """pg_walinspect in the database at `url` where the server has it (PostgreSQL 15 and
+    later, contrib), for `_own_wal`."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
+        except psycopg.Error as e:
+            log(f"no pg_walinspect ({e}): WAL per run is the server-wide LSN difference only")
 
 
 @contextlib.contextmanager
@@ -341,7 +413,7 @@ def drain(keys_list: list[int], runs: int, workers: int, concurrency: int, round
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
-        child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -350,6 +422,11 @@ def main() -> None:
     fp.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     fp.add_argument("--rounds", type=int, default=4)
     fp.add_argument("--slice", type=float, default=3.0)
+    eq = sub.add_parser("enqueue")
+    eq.add_argument("--before", required=True)
+    eq.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    eq.add_argument("--rounds", type=int, default=4)
+    eq.add_argument("--slice", type=float, default=3.0)
     dr = sub.add_parser("drain")
     dr.add_argument("--keys", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1000, 100, 10, 1])
@@ -365,8 +442,8 @@ def main() -> None:
     bl.add_argument("--rounds", type=int, default=4)
     bl.add_argument("--workflows", type=int, choices=range(1, len(MIX) + 1), default=1)
     args = parser.parse_args()
-    if args.what == "fastpath":
-        fastpath(args.before, args.threads, args.rounds, args.slice)
+    if args.what in ("fastpath", "enqueue"):
+        ab(args.what, args.before, args.threads, args.rounds, args.slice)
     elif args.what == "backlog":
         backlog(args.before, args.runs, args.workers, args.concurrency, args.rounds,
                 args.workflows)
