@@ -125,18 +125,24 @@ def _own_wal(conn: Any, lsn0: str, lsn1: str, xid0: int, xid1: int) -> int | Non
     """Bytes of the WAL records of the transactions that began between two readings of the
     next xid (the slice's own, when nothing else writes meanwhile: no checkpoint's or
     vacuum's records, which a server-wide LSN difference counts), read with pg_walinspect;
-    None without that extension."""
+    None without that extension, or when it cannot answer (no WAL flushed in between, a
+    role without its rights). Records without an xid are left out, the slice's own too:
+    the page pruning its statements do before their transaction has an xid, and hint-bit
+    full-page images on a cluster with checksums."""
+    import psycopg
+
     row = conn.execute("SELECT 1 FROM pg_extension WHERE extname = 'pg_walinspect'").fetchone()
-    if row is None:
-        return None
     low, high = xid0 & 0xFFFFFFFF, xid1 & 0xFFFFFFFF
-    if high < low:  # the 32-bit xid wrapped within the slice
+    if row is None or high < low or lsn0 == lsn1:  # high < low: the 32-bit xid wrapped
         return None
-    row = conn.execute(
-        "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s, %s)"
-        " WHERE xid::text::bigint >= %s AND xid::text::bigint < %s",
-        (lsn0, lsn1, low, high),
-    ).fetchone()
+    try:
+        row = conn.execute(
+            "SELECT coalesce(sum(record_length), 0) FROM pg_get_wal_records_info(%s, %s)"
+            " WHERE xid::text::bigint >= %s AND xid::text::bigint < %s",
+            (lsn0, lsn1, low, high),
+        ).fetchone()
+    except psycopg.Error:
+        return None
     return int(row[0])
 
 

@@ -560,12 +560,12 @@ RUN_INDEXES = {
     "workflow_runs_idempotency": "start with an idempotency key",
     "workflow_runs_claims": "heartbeat, sweep, a claim's recovery after a lost reply",
     "workflow_runs_ready_per_workflow": "the claims (0010), next_due, gauges, stats, KEDA",
-    # Read by nothing of this release; the next drops them (and workflow_runs_key_due).
+    # The next release drops these two and workflow_runs_key_due.
     "workflow_runs_ready": "the claims of 0008 and 0009, the README KEDA query until 0010",
     "workflow_runs_claimable": "the gauges and stats of 0010, the README KEDA query until 0010",
     "workflow_runs_key_slots": "per-key limits: the slots held",
     "workflow_runs_key_queue": "per-key limits: the runs waiting for a slot",
-    "workflow_runs_key_due": "next_due's keyed half until 0010 (dropped next release)",
+    "workflow_runs_key_due": "next_due's keyed half until 0011; gauges and stats (as key_queue)",
     "workflow_runs_key_due_per_workflow": "next_due's keyed half (0011)",
     "workflow_runs_finished": "prune, stats and gauges of finished runs",
     "workflow_runs_created": "listing newest first",

@@ -16,9 +16,11 @@
 -- (their history) though none of their keyed runs wait: the planner expected a match
 -- among the first entries and stepped over every other workflow's, as before.
 --
--- Each keyed run inserted waiting for a slot (a keyed `start_tx`, a keyed start the fast
--- path cannot claim) adds an entry here as well as to workflow_runs_key_due until that
--- one is dropped; no other run is in either.
+-- Each keyed run that waits for a slot (a keyed `start_tx`, a keyed start the fast path
+-- cannot claim, a resumed keyed run) adds an entry here as well as to
+-- workflow_runs_key_due until that one is dropped; no other run is in either. No other
+-- index serves the next_due of this release: without this one it reads the table, once
+-- per workflow each time a poller is idle. So roll the code back before the schema.
 --
 -- The index is built inside the migration's transaction, which blocks writes to
 -- workflow_runs while it builds (reads go on); it holds only keyed runs waiting for a
