@@ -44,6 +44,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg_pool import ConnectionPool
 
 import workflow
+from workflow import ids
 from workflow.store import migrate, schema_version
 from workflow.store.connections import connect, make_pool, normalize_url, open_pool
 from workflow.store.migrate import create_database, drop_database
@@ -102,13 +103,9 @@ def _print(line: str = "") -> None:
         sys.stdout.flush()
 
 
-def _short(run_id: str) -> str:
-    return run_id[:8]
-
-
 def _say(run_id: str, text: str) -> None:
     where = "" if os.getpid() == _demo_pid else f"   [worker pid {os.getpid()}]"
-    _print(f"   run {_short(run_id)}: {text}{where}")
+    _print(f"   run {ids.short(run_id)}: {text}{where}")
 
 
 def _cents(amount: int) -> str:
@@ -116,7 +113,7 @@ def _cents(amount: int) -> str:
 
 
 def _reserve(run: workflow.TaskRun[TransferInput]) -> Reserved:
-    hold = Reserved(id=f"hold-{_short(run.run_id)[:4]}")
+    hold = Reserved(id=f"hold-{ids.short(run.run_id)[:4]}")
     _say(run.run_id, f"{reserve.name} attempt {run.attempt} → {hold!r}")
     return hold
 
@@ -170,7 +167,7 @@ class _Narrator(logging.Handler):
         who = "engine" if record.levelno < workflow.ALERT else "engine, ALERT"
         match = self._RUN.match(text)
         if match:
-            _print(f"   run {_short(match[1])}: {who}: {match[2]}")
+            _print(f"   run {ids.short(match[1])}: {who}: {match[2]}")
         else:
             _print(f"   {who}: {text}")
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import psycopg
 
-from workflow import codec
+from workflow import codec, ids
 from workflow.config import Config
 from workflow.definition import Definition, Registry, Workflow
 from workflow.durations import Duration, seconds
@@ -184,7 +184,7 @@ class Starter:
                 )
             in_transaction(conn)
             self._check_same_database(conn)
-        run_id = uuid.uuid4()
+        run_id = ids.new_id()
         # Fast-path handlers get `stored_input`, decoded from what is stored: never
         # the caller's object, which the caller may go on changing.
         input_text, _, stored_input = codec.encode_document(input, wf.input_type)

@@ -27,6 +27,7 @@ from psycopg import pq
 from psycopg.rows import tuple_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from workflow import ids
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
 from workflow.store.connections import Connections, Rows, connection_lost
@@ -851,7 +852,7 @@ class Store:
     ) -> uuid.UUID | None:
         """A new run with `run_id`'s input and the outputs of its tasks before `from_seq`,
         on task `current_seq`; its id, or None when `run_id` does not exist."""
-        new_id = uuid.uuid4()
+        new_id = ids.new_id()
         rows = self._run(
             "fork_run",
             {

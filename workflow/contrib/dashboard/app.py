@@ -23,6 +23,7 @@ import attrs
 import jinja2
 from psycopg_pool import ConnectionPool
 
+from workflow import ids
 from workflow.admin import ANY_CODE, Admin, RunSummary
 from workflow.errors import NotResumable, RunNotFound, ScheduleNotFound, WorkflowError
 from workflow.run import Status
@@ -137,6 +138,7 @@ class Dashboard:
         )
         self._templates.filters["ago"] = _ago
         self._templates.filters["when"] = _when
+        self._templates.filters["short"] = ids.short
 
     @property
     def admin(self) -> Admin:
