@@ -15,13 +15,29 @@ slice's own transactions.
 one-task `Bench.One` `start_tx` in its own transaction (one commit a start), from
 T threads each on its own connection.
 
+Both take `--history N`: before the rounds each database gets N finished typed runs
+(three tasks with outputs each) under random ids, as a table that has served for a
+while holds them; and `--checkpoint`: a CHECKPOINT at the start of each measured
+slice, so that the slice pays the full-page images that the first change to each
+page after a checkpoint writes (a server in service is always in some checkpoint's
+cycle; a slice of a few seconds on a fresh table mostly is not). With `--history`,
+`--settle S` (60 by default) first runs the workload S seconds on each side, unmeasured:
+the history's pages, bulk-inserted, each keep a sliver of free space that the free space
+map offers to the first rows inserted after it, one row a page, each page's first change
+after a checkpoint a full-page image (measured: 9.0, 8.6, then 0.9 KB of WAL a start in
+three successive slices of one side). A table that served for a while has used those
+slivers; one that retention prunes offers whole free pages instead, which take many
+rows each.
+
 `drain`: a backlog of `--runs` one-task runs (`Bench.Keyed`, one run per account
 at once) spread over K accounts, committed in one transaction while W worker
 processes wait, drained; beside the same backlog of `Bench.Unkeyed`. K = 1 gives
 the rate of one key's hand-off (a run finishes, the next of its key is claimed).
 
     PYTHONPATH=. python bench/keys.py fastpath --before REV [--threads 1,8] [--rounds 4]
+        [--history N [--settle S]] [--checkpoint]
     PYTHONPATH=. python bench/keys.py enqueue --before REV [--threads 1,4] [--rounds 4]
+        [--history N [--settle S]] [--checkpoint]
     PYTHONPATH=. python bench/keys.py drain [--keys 1000,100,10,1] [--runs 5000] [--workers 3]
     PYTHONPATH=. python bench/keys.py backlog --before REV [--runs 5000] [--workers 3] [--rounds 4]
         [--workflows 1|2]
@@ -63,9 +79,10 @@ def _spent(before: Any, after: Any) -> float:
     return float(sum(t - before.get(pid, 0.0) for pid, t in after.items()))
 
 
-def child(workload: str, url: str, threads: int, seconds: float) -> None:
+def child(workload: str, url: str, threads: int, seconds: float, checkpoint: bool) -> None:
     """One slice of `workload` (`fastpath` or `enqueue`), with the `workflow` found first on
-    PYTHONPATH (and the bench modules of that revision too, old or new)."""
+    PYTHONPATH (and the bench modules of that revision too, old or new); after its warm-up,
+    a CHECKPOINT when `checkpoint`."""
     import psycopg
 
     import workflow
@@ -95,6 +112,8 @@ def child(workload: str, url: str, threads: int, seconds: float) -> None:
     slice_loops(one, threads, 0.5, 0)  # warm up
     server = _Server(url)
     with psycopg.connect(url, autocommit=True) as probe:
+        if checkpoint:
+            probe.execute("CHECKPOINT")
         lsn0 = _flushed(probe)
         cpu0, wal0, xid0 = server.read()
         runs, client = slice_loops(one, threads, seconds, 10_000_000 * int(time.time() % 100))
@@ -146,11 +165,12 @@ def _own_wal(conn: Any, lsn0: str, lsn1: str, xid0: int, xid1: int) -> int | Non
     return int(row[0])
 
 
-def _slice(workload: str, root: str, url: str, threads: int, seconds: float) -> dict[str, Any]:
+def _slice(workload: str, root: str, url: str, threads: int, seconds: float,
+           checkpoint: bool) -> dict[str, Any]:
     env = {**os.environ, "PYTHONPATH": root}
     out = subprocess.run(
         [sys.executable, os.path.join(HERE, "keys.py"), "child", workload, url, str(threads),
-         str(seconds)],
+         str(seconds), "checkpoint" if checkpoint else "-"],
         env=env, cwd=root, check=True, capture_output=True, text=True,
     ).stdout
     [line] = [line for line in out.splitlines() if line.startswith("SLICE ")]
@@ -160,9 +180,12 @@ def _slice(workload: str, root: str, url: str, threads: int, seconds: float) -> 
 
 
 def ab(workload: str, before: str, threads_list: list[int], rounds: int,
-       seconds: float) -> None:
+       seconds: float, history: int = 0, checkpoint: bool = False,
+       settle: float = 60.0) -> None:
     """`workload` (`fastpath` or `enqueue`) of the code at `before` against this checkout's,
-    alternating ABBA in slices from each thread count."""
+    alternating ABBA in slices from each thread count, on databases holding `history`
+    finished runs (and then `settle` seconds of the workload, unmeasured), with a
+    CHECKPOINT before each slice when `checkpoint`."""
     old = tempfile.mkdtemp(prefix="pgwf-before-")
     subprocess.run(["git", "-C", REPO, "worktree", "add", "--detach", old, before],
                    check=True, capture_output=True)
@@ -177,20 +200,30 @@ def ab(workload: str, before: str, threads_list: list[int], rounds: int,
                 env={**os.environ, "PYTHONPATH": root}, cwd=root, check=True,
             )
             _walinspect(urls[name])
+            if history:
+                _history(urls[name], history)
         roots = {"before": old, "after": REPO}
+        if history and settle > 0:
+            for name in ("before", "after"):
+                log(f"settling {name}: {settle:.0f} s of {workload}, unmeasured")
+                _slice(workload, roots[name], urls[name], max(threads_list), settle, False)
         for threads in threads_list:
             samples: dict[str, list[dict[str, Any]]] = {"before": [], "after": []}
             for r in range(rounds):
                 order = ("before", "after") if r % 2 == 0 else ("after", "before")
                 for name in order:
-                    samples[name].append(
-                        _slice(workload, roots[name], urls[name], threads, seconds))
+                    got = _slice(workload, roots[name], urls[name], threads, seconds, checkpoint)
+                    samples[name].append(got)
+                    log(f"  {name}: {got['runs_per_s']:.0f} runs/s, {got['wal_bytes']:.0f} WAL"
+                        f" bytes a run, {got['server_cpu_ms']:.3f} ms server CPU a run")
                 log(f"{workload}: {threads} thread(s), round {r + 1}/{rounds}")
             keys = ["runs_per_s", "client_cpu_ms", "server_cpu_ms", "wal_bytes", "write_xacts"]
             if all(s["own_wal_bytes"] is not None for n in samples for s in samples[n]):
                 keys.insert(4, "own_wal_bytes")
             result: dict[str, Any] = {"bench": f"keys.{workload}", "threads": threads,
-                                      "before_rev": before}
+                                      "before_rev": before, "history": history,
+                                      "settle": settle if history else 0,
+                                      "checkpoint": checkpoint}
             for name in ("before", "after"):
                 result[name] = {k: statistics.median(s[k] for s in samples[name]) for k in keys}
             result["after/before"] = {
@@ -206,6 +239,36 @@ def ab(workload: str, before: str, threads_list: list[int], rounds: int,
     finally:
         subprocess.run(["git", "-C", REPO, "worktree", "remove", "--force", old],
                        check=False, capture_output=True)
+
+
+def _history(url: str, runs: int) -> None:
+    """`runs` finished `Bench.Order` runs at `url`, created one a second up to now, under
+    random ids (as every release before time-ordered ids made them), three tasks each
+    with their outputs; then VACUUM ANALYZE, as autovacuum would have left the tables."""
+    import psycopg
+
+    log(f"history: {runs:,} finished runs")
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("SET synchronous_commit = off")
+        conn.execute(
+            "CREATE TEMP TABLE history AS SELECT gen_random_uuid() AS id,"
+            " now() - make_interval(secs => %s - g) AS at FROM generate_series(1, %s) AS g",
+            (runs, runs),
+        )
+        conn.execute(
+            "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq,"
+            " next_retry_at, created_at, finished_at)"
+            " SELECT id, 'Bench.Order', 'succeeded', '{\"order_id\": 1, \"cents\": 100}', 3, 4,"
+            " at, at, at + interval '1 second' FROM history"
+        )
+        conn.execute(
+            "INSERT INTO workflow_tasks (run_id, seq, name, output, finished_at)"
+            " SELECT id, s, (ARRAY['reserve', 'charge', 'receipt'])[s],"
+            " '{\"ref\": \"hold-1\", \"cents\": 100}', at + interval '1 second'"
+            " FROM history, generate_series(1, 3) AS s"
+        )
+        conn.execute("VACUUM ANALYZE workflow_runs")
+        conn.execute("VACUUM ANALYZE workflow_tasks")
 
 
 def _walinspect(url: str) -> None:
@@ -419,7 +482,8 @@ def drain(keys_list: list[int], runs: int, workers: int, concurrency: int, round
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]))
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5]),
+              sys.argv[6:7] == ["checkpoint"])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -428,11 +492,17 @@ def main() -> None:
     fp.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8])
     fp.add_argument("--rounds", type=int, default=4)
     fp.add_argument("--slice", type=float, default=3.0)
+    fp.add_argument("--history", type=int, default=0)
+    fp.add_argument("--settle", type=float, default=60.0)
+    fp.add_argument("--checkpoint", action="store_true")
     eq = sub.add_parser("enqueue")
     eq.add_argument("--before", required=True)
     eq.add_argument("--threads", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     eq.add_argument("--rounds", type=int, default=4)
     eq.add_argument("--slice", type=float, default=3.0)
+    eq.add_argument("--history", type=int, default=0)
+    eq.add_argument("--settle", type=float, default=60.0)
+    eq.add_argument("--checkpoint", action="store_true")
     dr = sub.add_parser("drain")
     dr.add_argument("--keys", type=lambda s: [int(x) for x in s.split(",")],
                     default=[1000, 100, 10, 1])
@@ -449,7 +519,8 @@ def main() -> None:
     bl.add_argument("--workflows", type=int, choices=range(1, len(MIX) + 1), default=1)
     args = parser.parse_args()
     if args.what in ("fastpath", "enqueue"):
-        ab(args.what, args.before, args.threads, args.rounds, args.slice)
+        ab(args.what, args.before, args.threads, args.rounds, args.slice, args.history,
+           args.checkpoint, args.settle)
     elif args.what == "backlog":
         backlog(args.before, args.runs, args.workers, args.concurrency, args.rounds,
                 args.workflows)

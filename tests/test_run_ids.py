@@ -45,20 +45,28 @@ def test_a_new_id_is_a_version_7_uuid_of_the_current_millisecond() -> None:
 def test_ids_made_in_later_milliseconds_sort_later() -> None:
     made = []
     for _ in range(5):
-        first = _ms_now()
         made.append(ids.new_id())
-        while _ms_now() == first:  # into the next millisecond
+        while _ms_now() <= _millisecond(made[-1]):  # past the id's own millisecond
             pass
     assert made == sorted(made)
     assert [str(i) for i in made] == sorted(str(i) for i in made), "and as text"
 
 
-def test_ids_of_one_millisecond_differ_in_their_random_bits() -> None:
+RANDOM_BITS = 0x0FFF_3FFF_FFFF_FFFF_FFFF  # rand_a (12 bits), then rand_b (62)
+
+
+def test_ids_differ_in_each_of_their_74_random_bits() -> None:
     # 74 random bits: a clash among a million ids of one millisecond has odds of about
-    # 3e-11; 20,000 ids made as fast as possible mostly share a millisecond.
+    # 3e-11. Ids made as fast as possible share a millisecond with a few hundred others.
     made = [ids.new_id() for _ in range(20_000)]
     assert len(set(made)) == len(made)
-    assert len({i.int & ((1 << 74) - 1) for i in made}) > 19_990
+    assert len({i.int & RANDOM_BITS for i in made}) == len(made)
+    ones = zeros = 0
+    for i in made:
+        ones |= i.int & RANDOM_BITS
+        zeros |= ~i.int & RANDOM_BITS
+    assert ones == zeros == RANDOM_BITS, "every random bit is seen both ways"
+    assert bin(RANDOM_BITS).count("1") == 74
 
 
 def _steps() -> tuple[workflow.Registry, Any]:
@@ -99,3 +107,37 @@ def test_runs_started_on_each_path_get_time_ordered_ids(
     listed = [r[0] for r in db.execute("SELECT id::text FROM workflow_runs ORDER BY id")]
     assert listed == [run_id for _, run_id, _ in made], "the primary key's order is the starts'"
 
+
+def test_claims_and_events_get_time_ordered_ids_too(
+    make_manager: Any, db: psycopg.Connection[Any], engine_url: str
+) -> None:
+    # A claim id keys workflow_runs_claims, an event id workflow_events_pkey: random
+    # ones would scatter their entries as random run ids did. The events a person
+    # causes (cancel, resume, fork) take ids made here; the engine's own (failed,
+    # parked, swept) take the table's default, gen_random_uuid().
+    reg, wf = _steps()
+    mgr = make_manager(reg)
+    fast = wf.start(mgr, Inp(1))
+    assert fast.wait(timeout=10) is Status.SUCCEEDED
+    with psycopg.connect(engine_url) as conn, conn.transaction():
+        polled = wf.start_tx(conn, mgr, Inp(2))
+    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, listen=False))
+    runnable.start()
+    try:
+        assert polled.wait(timeout=10) is Status.SUCCEEDED
+    finally:
+        runnable.stop(timeout=10)
+    with psycopg.connect(engine_url) as conn, conn.transaction():
+        cancelled = wf.start_tx(conn, mgr, Inp(3))
+    admin = workflow.Admin(engine_url)
+    try:
+        admin.cancel(cancelled.id, reason="test")
+    finally:
+        admin.close()
+    claims = [r[0] for r in db.execute(
+        "SELECT released_claim FROM workflow_runs WHERE id = ANY(%s::uuid[]) ORDER BY created_at",
+        ([fast.id, polled.id],),
+    )]
+    events = [r[0] for r in db.execute("SELECT id FROM workflow_events")]
+    assert len(claims) == 2 and len(events) == 1
+    assert [i.version for i in claims + events] == [7, 7, 7], (claims, events)

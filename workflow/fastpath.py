@@ -13,6 +13,7 @@ import threading
 import uuid
 from typing import Any
 
+from workflow import ids
 from workflow.executor import NO_INPUT, Executor
 from workflow.runthreads import RunThreads
 from workflow.store import ClaimedRun
@@ -119,7 +120,7 @@ class FastPath:
         if not self.try_slot():
             return False
         executor = self._executor
-        claim_id = uuid.uuid4()
+        claim_id = ids.new_id()
         try:
             claimed = executor.store.claim_run(run_id, claim_id)
         except Exception:

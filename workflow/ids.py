@@ -1,13 +1,17 @@
-"""The ids of new runs: time-ordered, so that a start writes where the last start wrote.
+"""The ids pgworkflow makes for runs, claims and the events a person causes (cancel,
+resume, fork): time-ordered, so that a start writes where the last start wrote. (The
+engine's own events, failed, parked and swept, take the table's default id.)
 
 A run's id keys its row (`workflow_runs_pkey`) and leads the keys of its task rows
 (`workflow_tasks_pkey`). With random ids each start's entries land on a random leaf
 page of those indexes, anywhere in the table's history, and the first change to a
 page after each checkpoint writes the whole page (8 KB) to the WAL: on a table with
-a million finished runs, a checkpoint every 20 s and one thread starting typed
-3-task runs, a run's WAL was 9.0-9.7 KB with random ids and 2.5-3.7 KB with these
-(bench/README.md, "Time-ordered run ids"). Ids made one after another sort one after
-another, and their entries share the rightmost leaf pages.
+a million finished runs, a checkpoint every 20 s and one thread running typed 3-task
+runs on the fast path, a run wrote 10.3 KB of WAL with random ids and 2.65 KB with
+these (bench/README.md, "Time-ordered run ids"). Ids made one after another sort one
+after another, and their entries share the rightmost leaf pages. The same holds for claim
+ids (`workflow_runs_claims`: with random ones, its full-page images were most of what
+was left, 465 bytes a run) and event ids (`workflow_events_pkey`).
 
 The layout is a UUID of version 7 (RFC 9562): the Unix time in milliseconds in the
 first 48 bits, then the version, 12 random bits, the variant and 62 random bits.
@@ -17,10 +21,10 @@ themselves (no counter: the order matters for where entries land, not for anythi
 a caller reads), and ids made on machines whose clocks differ sort by those clocks.
 Runs are listed by their creation time on the database's clock, never by id.
 
-Runs started within a minute of each other share the first eight characters of
-their ids, so the short form people read (the dashboard's links, the demo's lines)
-is the last eight (`short`): random in these ids, and in the random ids of runs
-started before them.
+Runs started within about a minute of each other (the same 65.5-second window)
+share the first eight characters of their ids, so the short form people read (the
+dashboard's links, the demo's lines) is the last eight (`short`): random in these
+ids, and in the random ids of runs started before them.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ _RAND_B = (1 << 62) - 1
 
 
 def new_id() -> uuid.UUID:
-    """A new run's id: this millisecond's, and 74 random bits (`os.urandom`)."""
+    """A new id: this millisecond's, and 74 random bits (`os.urandom`)."""
     ms = time.time_ns() // 1_000_000
     rand = int.from_bytes(os.urandom(10), "big")  # 80 bits, 74 used
     return uuid.UUID(

@@ -214,7 +214,7 @@ class Starter:
         traceparent, tracestate = (None, None) if self._capture is None else self._capture()
         fastpath = self._fastpath
         fast = conn is None and not all_skipped and not delayed and fastpath.try_slot()
-        claim_id = uuid.uuid4() if fast else None
+        claim_id = ids.new_id() if fast else None
 
         def insert(claim_id: uuid.UUID | None) -> tuple[uuid.UUID, bool] | None:
             claims = claim_id is not None

@@ -497,7 +497,7 @@ class Store:
         params = {
             "workflows": array_literal(workflows),
             "limit": limit,
-            "claims": array_literal([uuid.uuid4() for _ in range(limit)]),
+            "claims": array_literal([ids.new_id() for _ in range(limit)]),
         }
         return claimed_runs(self._run("claim_runs", params, "claimed_runs"))
 
@@ -522,7 +522,7 @@ class Store:
             "limit": limit,
             "start": os.urandom(32),
             "visit": max(KEY_VISITS, 8 * limit),
-            "claims": [uuid.uuid4() for _ in range(limit)],
+            "claims": [ids.new_id() for _ in range(limit)],
         }
         return claimed_runs(self._run("claim_key_heads", params, "claimed_runs"))
 
@@ -536,7 +536,7 @@ class Store:
         """Claim the next run of one key of `workflow` (its oldest due waiting run) when
         the key has a slot free below `concurrency`; None when it has none, or that run
         is being claimed elsewhere. A race for the slot raises as `claim_key_heads`'."""
-        claim_id = uuid.uuid4()
+        claim_id = ids.new_id()
         params = {
             "workflow": workflow,
             "concurrency_key": concurrency_key,
@@ -608,7 +608,7 @@ class Store:
         When the statement fails, whatever it may have claimed is let go of and each
         step is written again alone, first looking for what the failed try did (as
         `GroupCommit` does for the steps of threads); those steps claim nothing."""
-        new_claims = [uuid.uuid4() for _ in range(claim)]
+        new_claims = [ids.new_id() for _ in range(claim)]
         try:
             if not new_claims:  # outlasts a lost connection itself
                 return list[bool | Exception](self._complete_together(list(steps))), []
@@ -860,7 +860,7 @@ class Store:
                 "new_id": new_id,
                 "from_seq": from_seq,
                 "current_seq": current_seq,
-                "event_ids": [uuid.uuid4()],
+                "event_ids": [ids.new_id()],
                 "actor": actor,
                 "reason": reason,
                 "channel": CHANNEL,
@@ -959,10 +959,10 @@ class Store:
     ) -> list[uuid.UUID]:
         # In id order, as group commit writes steps: two statements that lock the same
         # runs in the same order cannot deadlock.
-        ids = sorted(set(run_ids))
+        ordered = sorted(set(run_ids))
         params = {
-            "ids": ids,
-            "event_ids": [uuid.uuid4() for _ in ids],
+            "ids": ordered,
+            "event_ids": [ids.new_id() for _ in ordered],
             "actor": actor,
             "reason": reason,
             **extra,
