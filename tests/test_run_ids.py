@@ -112,9 +112,8 @@ def test_claims_and_events_get_time_ordered_ids_too(
     make_manager: Any, db: psycopg.Connection[Any], engine_url: str
 ) -> None:
     # A claim id keys workflow_runs_claims, an event id workflow_events_pkey: random
-    # ones would scatter their entries as random run ids did. The events a person
-    # causes (cancel, resume, fork) take ids made here; the engine's own (failed,
-    # parked, swept) take the table's default, gen_random_uuid().
+    # ones would scatter their entries as random run ids did. Every event but a sweep's
+    # takes an id made here (a sweep's, after a crash, the table's default).
     reg, wf = _steps()
     mgr = make_manager(reg)
     fast = wf.start(mgr, Inp(1))
@@ -141,3 +140,24 @@ def test_claims_and_events_get_time_ordered_ids_too(
     events = [r[0] for r in db.execute("SELECT id FROM workflow_events")]
     assert len(claims) == 2 and len(events) == 1
     assert [i.version for i in claims + events] == [7, 7, 7], (claims, events)
+
+
+def test_failed_and_parked_events_get_time_ordered_ids(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    def flaky(run: workflow.TaskRun[Inp]) -> Out:
+        if run.attempt == 1:
+            raise RuntimeError("the provider timed out")
+        raise workflow.Permanent("the provider refused", code="refused")
+
+    reg, wf = registry(
+        workflow.handle(A, flaky, max_attempts=3, backoff_schedule=[0.01, 0.01]),
+    )
+    mgr = make_manager(reg)
+    run = wf.start(mgr, Inp(1))
+    assert run.wait(timeout=10) is Status.PARKED
+    events = db.execute(
+        "SELECT kind, id FROM workflow_events WHERE run_id = %s ORDER BY at", (run.id,)
+    ).fetchall()
+    assert [kind for kind, _ in events] == ["failed", "parked"]
+    assert [i.version for _, i in events] == [7, 7], events

@@ -1,6 +1,6 @@
-"""The ids pgworkflow makes for runs, claims and the events a person causes (cancel,
-resume, fork): time-ordered, so that a start writes where the last start wrote. (The
-engine's own events, failed, parked and swept, take the table's default id.)
+"""The ids pgworkflow makes for runs, claims and history events: time-ordered, so that a
+start writes where the last start wrote. (A sweep's events, written after a crash, take
+the table's default id.)
 
 A run's id keys its row (`workflow_runs_pkey`) and leads the keys of its task rows
 (`workflow_tasks_pkey`). With random ids each start's entries land on a random leaf

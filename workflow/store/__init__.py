@@ -735,6 +735,7 @@ class Store:
                 "attempts": attempts,
                 "keep_claim": keep_claim,
                 "delay": delay,
+                "event_id": ids.new_id(),
             },
             "released",  # a retry whose earlier try let go of the claim finds it here
         )
@@ -766,6 +767,7 @@ class Store:
                 "spent": spent,
                 "wake_key": wake_key,
                 "channel": CHANNEL,
+                "event_id": ids.new_id(),
             },
             "released",  # a retry whose earlier try let go of the claim finds it here
         )

@@ -665,7 +665,8 @@ SELECT pg_notify(%(channel)s, workflow) FROM (SELECT DISTINCT workflow FROM run)
 -- name: fail_task
 -- Record a failed attempt, and its history row: retry after `delay` seconds, under the claim or released for a poller (fenced).
 -- The attempt count is absolute (the executor knows it under its claim), so a retry cannot count twice; the history row
--- is written only when the count moves (`before` is read before the update), so a retry writes none either.
+-- (its id `event_id`, made by the caller) is written only when the count moves (`before` is read before the update), so
+-- a retry writes none either.
 WITH before AS (
     SELECT attempts FROM workflow_tasks WHERE run_id = %(id)s AND seq = %(seq)s
 ), run AS (
@@ -683,8 +684,8 @@ WITH before AS (
     WHERE t.run_id = run.id AND t.seq = %(seq)s
     RETURNING t.run_id
 ), history AS (
-    INSERT INTO workflow_events (run_id, kind, seq, attempt, error, error_code)
-    SELECT task.run_id, 'failed', %(seq)s, %(attempts)s, %(error)s, %(code)s
+    INSERT INTO workflow_events (id, run_id, kind, seq, attempt, error, error_code)
+    SELECT %(event_id)s, task.run_id, 'failed', %(seq)s, %(attempts)s, %(error)s, %(code)s
     FROM task, before
     WHERE before.attempts < %(attempts)s
 )
@@ -692,7 +693,8 @@ SELECT run_id FROM task;
 
 
 -- name: park_run
--- Park the run on its task `seq`, stopped for a person with the last error, its claim let go, and its history row (fenced);
+-- Park the run on its task `seq`, stopped for a person with the last error, its claim let go, and its history row (its id
+-- `event_id`, made by the caller) (fenced);
 -- a keyed run frees its slot and wakes the pollers as complete_task does.
 WITH run AS (
     UPDATE workflow_runs
@@ -715,8 +717,8 @@ WITH run AS (
     WHERE t.run_id = run.id AND t.seq = %(seq)s
     RETURNING t.run_id
 ), history AS (
-    INSERT INTO workflow_events (run_id, kind, seq, attempt, error, error_code)
-    SELECT run_id, 'parked', %(seq)s, %(attempts)s, %(error)s, %(code)s FROM task
+    INSERT INTO workflow_events (id, run_id, kind, seq, attempt, error, error_code)
+    SELECT %(event_id)s, run_id, 'parked', %(seq)s, %(attempts)s, %(error)s, %(code)s FROM task
 )
 SELECT task.run_id, run.woke FROM task, run;
 
