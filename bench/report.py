@@ -309,6 +309,9 @@ def write_report(
         f"({kind}) on {meta['date']}, in {meta.get('elapsed_s', 0) / 60:.1f} min. "
         "How to read it: bench/README.md."
     )
+    if meta.get("note"):
+        w("")
+        w(str(meta["note"]))
     w("")
     w("| | |")
     w("|---|---|")
