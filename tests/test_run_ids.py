@@ -112,8 +112,8 @@ def test_claims_and_events_get_time_ordered_ids_too(
     make_manager: Any, db: psycopg.Connection[Any], engine_url: str
 ) -> None:
     # A claim id keys workflow_runs_claims, an event id workflow_events_pkey: random
-    # ones would scatter their entries as random run ids did. Every event but a sweep's
-    # takes an id made here (a sweep's, after a crash, the table's default).
+    # ones would scatter their entries as random run ids did. Every event takes an id
+    # made here, but a sweep's, made by the server in the same layout (below).
     reg, wf = _steps()
     mgr = make_manager(reg)
     fast = wf.start(mgr, Inp(1))
@@ -161,3 +161,26 @@ def test_failed_and_parked_events_get_time_ordered_ids(
     ).fetchall()
     assert [kind for kind, _ in events] == ["failed", "parked"]
     assert [i.version for _, i in events] == [7, 7], events
+
+
+def test_swept_events_get_time_ordered_ids_made_by_the_server(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    # One sweep releases any number of claims at once, so its events' ids are made in
+    # its statement: the server's millisecond, version 7's bits, the rest random.
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    with db.transaction():
+        runs = [wf.start_tx(db, mgr, Inp(n)) for n in range(3)]
+    db.execute(
+        "UPDATE workflow_runs SET claim_id = gen_random_uuid(), status = 'running', "
+        "heartbeat_at = now() - interval '1 hour'"
+    )
+    before = _ms_now()
+    assert mgr.new_runnable(workflow.RunnerConfig(listen=False)).sweeper.sweep() == 3
+    after = _ms_now()
+    events = [r[0] for r in db.execute("SELECT id FROM workflow_events WHERE kind = 'swept'")]
+    assert len(events) == len(runs)
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in events), events
+    # The server's clock is this machine's; a millisecond of slack for the rounding.
+    assert all(before - 1 <= _millisecond(i) <= after + 1 for i in events), events

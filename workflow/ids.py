@@ -1,6 +1,7 @@
 """The ids pgworkflow makes for runs, claims and history events: time-ordered, so that a
-start writes where the last start wrote. (A sweep's events, written after a crash, take
-the table's default id.)
+start writes where the last start wrote. (A sweep's events, written after a crash, get
+ids of the same layout made by the server in the sweep's statement: `sweep` in
+store/queries.sql.)
 
 A run's id keys its row (`workflow_runs_pkey`) and leads the keys of its task rows
 (`workflow_tasks_pkey`). With random ids each start's entries land on a random leaf

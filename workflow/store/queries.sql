@@ -762,6 +762,10 @@ SELECT claim_id FROM held;
 -- name: sweep
 -- Release claims whose heartbeat is older than max_age and count the abandoned attempt; per run
 -- released, its workflow and the task, seq and attempt count of the attempt it counted.
+-- Each event's id is made here, in the layout of workflow/ids.py, as one sweep may release any
+-- number of claims: a random UUID whose first 48 bits become the Unix millisecond and whose version
+-- becomes 7 (set_bit counts from each byte's lowest bit: 52 and 53 are byte 6's 0x10 and 0x20;
+-- gen_random_uuid's 0x40 is set already).
 WITH stale AS (
     SELECT id FROM workflow_runs
     WHERE claim_id IS NOT NULL AND heartbeat_at < now() - make_interval(secs => %(max_age)s)
@@ -781,8 +785,12 @@ WITH stale AS (
     FROM run WHERE t.run_id = run.id AND t.seq = run.current_seq
     RETURNING t.run_id, t.seq, t.name, t.attempts, t.error
 ), history AS (
-    INSERT INTO workflow_events (run_id, kind, seq, attempt, error)
-    SELECT run_id, 'swept', seq, attempts, error FROM bump
+    INSERT INTO workflow_events (id, run_id, kind, seq, attempt, error)
+    SELECT encode(set_bit(set_bit(overlay(uuid_send(gen_random_uuid()) PLACING
+               substring(int8send(floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint) FROM 3)
+               FROM 1 FOR 6), 52, 1), 53, 1), 'hex')::uuid,
+           run_id, 'swept', seq, attempts, error
+    FROM bump
 )
 SELECT run.id, run.workflow, bump.name, bump.seq, bump.attempts, pg_notify(%(channel)s, run.workflow)
 FROM run LEFT JOIN bump ON bump.run_id = run.id;
