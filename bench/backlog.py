@@ -429,6 +429,36 @@ def _tree_cpu(procs: list[subprocess.Popen[bytes]]) -> list[float]:
     return out
 
 
+def _tree_switches(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int]:
+    """The voluntary and involuntary context switches of every live thread of the
+    consumers and their children (`/proc/PID/task/*/status`; a process's own status
+    counts its first thread only)."""
+    import psutil
+
+    voluntary = involuntary = 0
+    for proc in procs:
+        try:
+            pids = [proc.pid, *(q.pid for q in psutil.Process(proc.pid).children(recursive=True))]
+        except psutil.Error:
+            continue
+        for pid in pids:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/status") as f:
+                        for line in f:
+                            if line.startswith("voluntary_ctxt_switches:"):
+                                voluntary += int(line.split()[1])
+                            elif line.startswith("nonvoluntary_ctxt_switches:"):
+                                involuntary += int(line.split()[1])
+                except OSError:
+                    pass
+    return voluntary, involuntary
+
+
 def _signal_all(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
     import psutil
 
@@ -585,6 +615,7 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
                 _signal_all(procs, signal.SIGSTOP)
             before = _insert(system, admin, counters, n, result, wal, analyze)
             consumer_cpu = sum(_tree_cpu(procs))
+            result["_switches"] = _tree_switches(procs)
             if start == "frozen":
                 _signal_all(procs, signal.SIGCONT)
             else:
@@ -619,6 +650,10 @@ def _drain(system: System, admin: Any, counters: Counters,
     released."""
     wall, peak = wait_drained(system, admin, procs, n, timeout, wal)
     result["consumer_cpu_ms_per_job"] = 1000.0 * (sum(_tree_cpu(procs)) - consumer_cpu) / n
+    v0, i0 = result.pop("_switches", (0, 0))
+    v1, i1 = _tree_switches(procs)
+    result["consumer_vcsw_per_job"] = (v1 - v0) / n
+    result["consumer_ivcsw_per_job"] = (i1 - i0) / n
     after = counters.read()
     result.update(completions(system, admin, n))
     result.update(Counters.per_job(before, after, n))
@@ -688,6 +723,8 @@ def main() -> None:
                     f"  server CPU {res['server_cpu_ms_per_job']:.3f} ms"
                     f"  (db backends {res['db_backends_cpu_ms_per_job']:.3f} ms)"
                     f"  consumer CPU {res['consumer_cpu_ms_per_job']:.3f} ms"
+                    f"  switches {res['consumer_vcsw_per_job']:.2f}"
+                    f" + {res['consumer_ivcsw_per_job']:.2f}"
                     f"  enqueue {res['enqueue_jobs_per_s']:.0f}/s  wall {res['wall_s']:.2f}s"
                     f"  peak backends {res['peak_backends']}  [{time.monotonic() - began:.0f}s]")
     report(samples, names, args)
@@ -698,8 +735,8 @@ def main() -> None:
 
 KEYS = ("jobs_per_s", "jobs_per_s_p10_p90", "write_xacts_per_job", "own_write_xacts_per_job",
         "wal_bytes_per_job", "own_wal_bytes_per_job", "server_cpu_ms_per_job",
-        "db_backends_cpu_ms_per_job", "consumer_cpu_ms_per_job", "enqueue_jobs_per_s", "span_s",
-        "wall_s", "peak_backends")
+        "db_backends_cpu_ms_per_job", "consumer_cpu_ms_per_job", "consumer_vcsw_per_job",
+        "consumer_ivcsw_per_job", "enqueue_jobs_per_s", "span_s", "wall_s", "peak_backends")
 
 
 def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str],
@@ -728,7 +765,8 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
           f"drained by C consumer processes (start: {args.start}"
           f"{', analysed' if args.analyze else ''}); medians of {args.rounds} round(s)")
     print(f"{'system':<14}{'C':>3}{'jobs/s':>8}{'p10-90':>8}{'xacts':>7}{'own':>6}{'WAL B':>8}"
-          f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'cons CPU':>9}{'enq/s':>7}{'conns':>6}")
+          f"{'own':>7}{'srv CPU':>9}{'db CPU':>8}{'cons CPU':>9}{'switches':>13}{'enq/s':>7}"
+          f"{'conns':>6}")
     for c in args.consumers:
         for name in names:
             m = medians.get((name, c))
@@ -739,14 +777,18 @@ def report(samples: dict[tuple[str, int], list[dict[str, Any]]], names: list[str
                   f"{_fmt(m['own_write_xacts_per_job'], 6, 2)}{m['wal_bytes_per_job']:>8.0f}"
                   f"{_fmt(m['own_wal_bytes_per_job'], 7, 0)}{m['server_cpu_ms_per_job']:>9.3f}"
                   f"{m['db_backends_cpu_ms_per_job']:>8.3f}"
-                  f"{m['consumer_cpu_ms_per_job']:>9.3f}{m['enqueue_jobs_per_s']:>7.0f}"
+                  f"{m['consumer_cpu_ms_per_job']:>9.3f}"
+                  f"{m['consumer_vcsw_per_job']:>7.2f}+{m['consumer_ivcsw_per_job']:<5.2f}"
+                  f"{m['enqueue_jobs_per_s']:>7.0f}"
                   f"{m['peak_backends']:>6.0f}")
     print("  jobs/s: (N-1)/(last-first completion); p10-90: the rate between the 10th and"
           " 90th percentile completions")
     print("  per job over the drain: write transactions and WAL bytes (server-wide; own: this"
           " database's, from the WAL),\n  server CPU ms (every postgres process; db: this"
           " database's backends); cons CPU: the consumer processes' own CPU ms\n  (user+system,"
-          " from their release to the drain's end; with --start cold, from their launch);"
+          " from their release to the drain's end; with --start cold, from their launch);\n"
+          "  switches: the consumers' context switches a job, voluntary + involuntary, every"
+          " live thread of theirs;"
           " enq/s: the one-commit-per-job insert;\n"
           "  conns: peak"
           " connections to the bench database")

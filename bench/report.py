@@ -38,6 +38,12 @@ def _f(x: float | None, nd: int = 0, suffix: str = "") -> str:
     return f"{x:,.{nd}f}{suffix}"
 
 
+def _switches(voluntary: float | None, involuntary: float | None) -> str:
+    if _num(voluntary) is None or _num(involuntary) is None:
+        return "—"
+    return f"{_f(voluntary, 2)} + {_f(involuntary, 2)}"
+
+
 def _r(x: float | None) -> str:
     x = _num(x)
     return "—" if x is None else f"{x:.2f}×"
@@ -221,7 +227,9 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
         "assigned) server-wide and own (the bench database's alone, read from the WAL with "
         "pg_walinspect), WAL bytes (own), server CPU (every `postgres` process; other work on "
         "the machine leaks in), consumer CPU (the consumer processes' own user+system CPU from "
-        "their release to the drain's end; — in runs made before it was measured). Every job "
+        "their release to the drain's end; — in runs made before it was measured), and the "
+        "consumers' context switches (voluntary + involuntary, summed over every live thread "
+        "of theirs; — in runs made before they were counted). Every job "
         "must complete exactly once or the measurement fails. "
         f"Medians over {n_rounds} round(s) (range of jobs/s in brackets when there are several); "
         "the ratios are taken within a round, then medianed."
@@ -230,9 +238,9 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
     w(
         "| consumers | system | jobs/s | p10–90 jobs/s | write xacts/job (server) "
         "| write xacts/job (own) | WAL bytes/job (own) | server CPU ms/job "
-        "| consumer CPU ms/job |"
+        "| consumer CPU ms/job | consumer switches/job |"
     )
-    w("|---|---|---|---|---|---|---|---|---|")
+    w("|---|---|---|---|---|---|---|---|---|---|")
     for c in cs:
         for x in systems:
             if (x, c) not in by:
@@ -244,7 +252,8 @@ def _backlog_section(w: Any, results: list[dict[str, Any]]) -> None:
                 f"| {_f(med(x, c, 'own_write_xacts_per_job'), 2)} "
                 f"| {_f(med(x, c, 'own_wal_bytes_per_job'))} "
                 f"| {_f(med(x, c, 'server_cpu_ms_per_job'), 3)} "
-                f"| {_f(med(x, c, 'consumer_cpu_ms_per_job'), 3)} |"
+                f"| {_f(med(x, c, 'consumer_cpu_ms_per_job'), 3)} "
+                f"| {_switches(med(x, c, 'consumer_vcsw_per_job'), med(x, c, 'consumer_ivcsw_per_job'))} |"
             )
     w("")
     peers = [x for x in BACKLOG_PEERS if x in systems]
