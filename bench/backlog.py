@@ -412,51 +412,54 @@ class System:
         return int(row[0]) if row else 0
 
 
+def _tree(proc: subprocess.Popen[bytes]) -> list[Any]:
+    """`proc` and its children, as psutil processes ([] once it is gone)."""
+    import psutil
+
+    try:
+        p = psutil.Process(proc.pid)
+        return [p, *p.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
 def _tree_cpu(procs: list[subprocess.Popen[bytes]]) -> list[float]:
     import psutil
 
     out = []
     for proc in procs:
         total = 0.0
-        try:
-            p = psutil.Process(proc.pid)
-            for q in [p, *p.children(recursive=True)]:
+        for q in _tree(proc):
+            try:
                 t = q.cpu_times()
-                total += t.user + t.system
-        except psutil.Error:
-            pass
+            except psutil.Error:
+                continue
+            total += t.user + t.system
         out.append(total)
     return out
 
 
 def _tree_switches(procs: list[subprocess.Popen[bytes]]) -> tuple[int, int]:
     """The voluntary and involuntary context switches of every live thread of the
-    consumers and their children (`/proc/PID/task/*/status`; a process's own status
-    counts its first thread only)."""
-    import psutil
-
-    voluntary = involuntary = 0
+    consumers and their children (`/proc/PID/task/*/status`: a process's own status,
+    which psutil reads, counts its first thread only)."""
+    counts = {"voluntary_ctxt_switches:": 0, "nonvoluntary_ctxt_switches:": 0}
     for proc in procs:
-        try:
-            pids = [proc.pid, *(q.pid for q in psutil.Process(proc.pid).children(recursive=True))]
-        except psutil.Error:
-            continue
-        for pid in pids:
+        for q in _tree(proc):
             try:
-                tids = os.listdir(f"/proc/{pid}/task")
+                tids = os.listdir(f"/proc/{q.pid}/task")
             except OSError:
                 continue
             for tid in tids:
                 try:
-                    with open(f"/proc/{pid}/task/{tid}/status") as f:
+                    with open(f"/proc/{q.pid}/task/{tid}/status") as f:
                         for line in f:
-                            if line.startswith("voluntary_ctxt_switches:"):
-                                voluntary += int(line.split()[1])
-                            elif line.startswith("nonvoluntary_ctxt_switches:"):
-                                involuntary += int(line.split()[1])
+                            key, _, value = line.partition("\t")
+                            if key in counts:
+                                counts[key] += int(value)
                 except OSError:
                     pass
-    return voluntary, involuntary
+    return counts["voluntary_ctxt_switches:"], counts["nonvoluntary_ctxt_switches:"]
 
 
 def _signal_all(procs: list[subprocess.Popen[bytes]], sig: int) -> None:
@@ -615,13 +618,13 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
                 _signal_all(procs, signal.SIGSTOP)
             before = _insert(system, admin, counters, n, result, wal, analyze)
             consumer_cpu = sum(_tree_cpu(procs))
-            result["_switches"] = _tree_switches(procs)
+            switches = _tree_switches(procs)
             if start == "frozen":
                 _signal_all(procs, signal.SIGCONT)
             else:
                 release(procs)
             _drain(system, admin, counters, procs, n, timeout, before, result, wal,
-                   consumer_cpu)
+                   consumer_cpu, switches)
         return result
 
 
@@ -644,13 +647,13 @@ def _insert(system: System, admin: Any, counters: Counters, n: int,
 def _drain(system: System, admin: Any, counters: Counters,
            procs: list[subprocess.Popen[bytes]], n: int, timeout: float,
            before: dict[str, Any], result: dict[str, Any], wal: WalReader,
-           consumer_cpu: float) -> None:
+           consumer_cpu: float, switches: tuple[int, int] = (0, 0)) -> None:
     """Until the consumers have done all N; the counters, checked completions (before
-    the consumers are stopped). `consumer_cpu`: the consumers' CPU seconds when
-    released."""
+    the consumers are stopped). `consumer_cpu`, `switches`: the consumers' CPU seconds
+    and context switches when released."""
     wall, peak = wait_drained(system, admin, procs, n, timeout, wal)
     result["consumer_cpu_ms_per_job"] = 1000.0 * (sum(_tree_cpu(procs)) - consumer_cpu) / n
-    v0, i0 = result.pop("_switches", (0, 0))
+    v0, i0 = switches
     v1, i1 = _tree_switches(procs)
     result["consumer_vcsw_per_job"] = (v1 - v0) / n
     result["consumer_ivcsw_per_job"] = (i1 - i0) / n

@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 import psycopg
-from helpers import Inp, Out, registry
+from helpers import Inp, Out, drain, registry
 
 import workflow
 from workflow import Status, ids
@@ -120,12 +120,7 @@ def test_claims_and_events_get_time_ordered_ids_too(
     assert fast.wait(timeout=10) is Status.SUCCEEDED
     with psycopg.connect(engine_url) as conn, conn.transaction():
         polled = wf.start_tx(conn, mgr, Inp(2))
-    runnable = mgr.new_runnable(workflow.RunnerConfig(poll_interval=0.2, listen=False))
-    runnable.start()
-    try:
-        assert polled.wait(timeout=10) is Status.SUCCEEDED
-    finally:
-        runnable.stop(timeout=10)
+    drain(db, mgr, [polled], poll_interval=0.2)
     with psycopg.connect(engine_url) as conn, conn.transaction():
         cancelled = wf.start_tx(conn, mgr, Inp(3))
     admin = workflow.Admin(engine_url)
