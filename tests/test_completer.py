@@ -343,6 +343,82 @@ def test_a_full_completer_makes_the_next_thread_wait(
     completer.stop(10)
 
 
+def waiting_for_room(
+    mgr: workflow.Manager, wf: Any, db: psycopg.Connection[Any],
+    blocker: psycopg.Connection[Any], count: int,
+) -> tuple[Completer, ClaimedRun, list[ClaimedRun], list[threading.Thread]]:
+    """A completer with room for one finish, taken by a statement held on `blocker`'s row
+    lock, and `count` threads (`hander-N`, daemons: one left waiting fails its test, not
+    the session's exit) each executing a run whose finish waits for room."""
+    start_each_in_its_own_transaction(db, wf, mgr, count + 1)
+    executor, completer = mgr._executor, completer_of(mgr, limit=1)
+    first, *others = mgr._store.claim_runs(["W"], count + 1)
+    hand_held(blocker, executor, completer, first)
+    waiting = [
+        threading.Thread(
+            target=lambda run=run: (executor.admit(), executor.execute(run, completer=completer)),
+            name=f"hander-{n}",
+            daemon=True,
+        )
+        for n, run in enumerate(others)
+    ]
+    for thread in waiting:
+        thread.start()
+    time.sleep(0.3)
+    assert all(thread.is_alive() for thread in waiting), "every one waits for room"
+    assert completer.pending == 0
+    return completer, first, others, waiting
+
+
+def test_threads_waiting_for_room_are_each_woken_as_room_frees(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A statement that ends wakes as many of the threads waiting for room as it frees
+    (not all of them, to find the completer full again and sleep): with room for one
+    finish, three threads waiting behind a held statement each hand theirs in turn,
+    one statement each, and none is left waiting."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    with psycopg.connect(db_url) as blocker:
+        completer, first, others, waiting = waiting_for_room(mgr, wf, db, blocker, 3)
+        blocker.rollback()
+    for thread in waiting:
+        thread.join(timeout=10)
+        assert not thread.is_alive()
+    wait_until(lambda: len(seen.of(ExecutionEnded)) == 4, "every execution's end")
+    assert [status_of(db, run.id)[0] for run in (first, *others)] == ["succeeded"] * 4
+    assert completer.statements == 4
+    completer.stop(10)
+
+
+def test_threads_waiting_for_room_when_the_completer_stops_write_their_own(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A stop wakes every thread waiting for room: with nothing left for the completer
+    to take, each writes its own finish on its own thread, without waiting for the
+    statement still held; the stop returns once that statement has committed."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    seen = Seen(mgr)
+    with psycopg.connect(db_url) as blocker:
+        completer, first, others, waiting = waiting_for_room(mgr, wf, db, blocker, 2)
+        stopper = threading.Thread(target=completer.stop)
+        stopper.start()
+        for thread in waiting:
+            thread.join(timeout=10)
+            assert not thread.is_alive(), "a stop wakes the threads waiting for room"
+        assert [status_of(db, run.id)[0] for run in others] == ["succeeded"] * 2
+        assert sorted(thread for _, thread in seen.of(ExecutionEnded)) == [
+            "hander-0", "hander-1"
+        ]
+        assert stopper.is_alive(), "the stop waits for the statement held"
+        blocker.rollback()
+    stopper.join(timeout=10)
+    assert not stopper.is_alive()
+    assert status_of(db, first.id) == ("succeeded", False, 0)
+
+
 def test_a_finish_handed_to_a_stopped_completer_is_written_on_its_own_thread(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:

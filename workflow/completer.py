@@ -34,8 +34,12 @@ thread's own would be.
 At most `limit` finishes are on their way at once (waiting for a statement, or in
 one being written); a thread handing one more waits for room, so a worker holds
 at most twice `concurrency` claims: its runs executing, and the finishes on their
-way. A drain (`Executor.drain`) waits for every finish handed over, as for any
-execution in flight; `stop()` follows it.
+way. A statement that ends wakes as many of the threads waiting for room as it made
+room for, not all of them to find it full again (all of them once stopping: each
+may have to write its own).
+
+A drain (`Executor.drain`) waits for every finish handed over, as for any execution
+in flight; `stop()` follows it.
 """
 
 from __future__ import annotations
@@ -123,7 +127,9 @@ class Completer:
         self._flights = flights
         self._pending: list[Finish] = []
         self._writing = 0  # finishes in the statements being written
-        self._cond = threading.Condition(threading.Lock())
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # the completer's threads wait on it
+        self._room = threading.Condition(lock)  # the handing threads wait on it
         self._threads: list[threading.Thread] = []
         self._alive = 0  # threads that take finishes
         self._stopping = False
@@ -149,6 +155,7 @@ class Completer:
                 except BaseException:
                     self._stopping = True
                     self._cond.notify_all()
+                    self._room.notify_all()
                     raise
                 self._threads.append(thread)
                 self._alive += 1
@@ -161,12 +168,12 @@ class Completer:
         thread."""
         with self._cond:
             while len(self._pending) + self._writing >= self._limit and self._running():
-                self._cond.wait()
+                self._room.wait()
             self._release()
             if self._running():
                 self._pending.append(finish)
                 if len(self._pending) == 1:
-                    self._cond.notify_all()
+                    self._cond.notify()
                 return
         self._write([finish])
 
@@ -175,6 +182,7 @@ class Completer:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+            self._room.notify_all()
             threads = list(self._threads)
         deadline = None if timeout is None else time.monotonic() + timeout
         for thread in threads:
@@ -209,7 +217,12 @@ class Completer:
                 finally:
                     with self._cond:
                         self._writing -= len(batch)
-                        self._cond.notify_all()  # room for the threads waiting to hand one
+                        # Room for as many threads waiting to hand one (all of them once
+                        # stopping: they may have to write their own).
+                        if self._stopping:
+                            self._room.notify_all()
+                        else:
+                            self._room.notify(len(batch))
         finally:
             left: list[Finish] = []
             with self._cond:
@@ -217,6 +230,7 @@ class Completer:
                 if not self._alive:  # from now on `hand` writes on its caller's thread
                     left, self._pending = self._pending, []
                 self._cond.notify_all()
+                self._room.notify_all()
             if left:  # only after a failure of the loop itself: never leave one unwritten
                 self._write(left)
 
