@@ -582,3 +582,33 @@ def test_the_runs_table_has_the_indexes_its_readers_need(empty_db_url: str) -> N
             " WHERE indrelid = 'workflow_runs'::regclass"
         )}
     assert names == set(RUN_INDEXES)
+
+
+# What PostgreSQL 15 reads again, as node text, at every INSERT or UPDATE of workflow_runs
+# (ExecRelCheck parses and prepares each CHECK constraint in every execution): 3,861
+# characters until 0012 spelt the status check as one array constant (bench/README.md,
+# "The checks PostgreSQL reads at every write"). A check added to the table pays this
+# in every start, task step and finish.
+RUN_CHECKS_TEXT = 3_300
+
+
+def test_the_runs_checks_are_short_for_postgresql_to_read_and_keep_their_rules(
+    empty_db_url: str,
+) -> None:
+    migrate(empty_db_url)
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        (length,) = conn.execute(
+            "SELECT sum(length(conbin::text)) FROM pg_constraint"
+            " WHERE conrelid = 'workflow_runs'::regclass AND contype = 'c'"
+        ).fetchone() or (None,)
+        assert length is not None and length <= RUN_CHECKS_TEXT, length
+        insert = (
+            "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq)"
+            " VALUES (gen_random_uuid(), 'W', %s, '{}', 1, 1)"
+        )
+        for status in ("pending", "running", "succeeded", "parked", "cancelled"):
+            conn.execute(insert, (status,))
+        with pytest.raises(psycopg.errors.CheckViolation, match="workflow_runs_status_check"):
+            conn.execute(insert, ("done",))
+        with pytest.raises(psycopg.errors.CheckViolation, match="workflow_runs_status_check"):
+            conn.execute("UPDATE workflow_runs SET status = 'Pending'")
