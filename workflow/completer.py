@@ -36,7 +36,8 @@ one being written); a thread handing one more waits for room, so a worker holds
 at most twice `concurrency` claims: its runs executing, and the finishes on their
 way. A statement that ends wakes as many of the threads waiting for room as it made
 room for, not all of them to find it full again (all of them once stopping: each
-may have to write its own).
+may have to write its own), and a first finish waiting for a statement wakes one of
+the completer's threads, not both.
 
 A drain (`Executor.drain`) waits for every finish handed over, as for any execution
 in flight; `stop()` follows it.
@@ -155,7 +156,6 @@ class Completer:
                 except BaseException:
                     self._stopping = True
                     self._cond.notify_all()
-                    self._room.notify_all()
                     raise
                 self._threads.append(thread)
                 self._alive += 1
@@ -167,9 +167,13 @@ class Completer:
         stopping with none left), the finish is written at once on the caller's
         thread."""
         with self._cond:
-            while len(self._pending) + self._writing >= self._limit and self._running():
-                self._room.wait()
-            self._release()
+            try:
+                while len(self._pending) + self._writing >= self._limit and self._running():
+                    self._room.wait()
+                self._release()
+            except BaseException:  # an interrupt: the wake-up it may have come with is passed on
+                self._room.notify()
+                raise
             if self._running():
                 self._pending.append(finish)
                 if len(self._pending) == 1:
@@ -212,6 +216,8 @@ class Completer:
                         return
                     batch, self._pending = self._pending, []
                     self._writing += len(batch)
+                    if self._stopping:  # nothing left to take: the waiting write their own
+                        self._room.notify_all()
                 try:
                     self._write(batch)
                 finally:
