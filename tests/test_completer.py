@@ -421,6 +421,40 @@ def test_threads_waiting_for_room_when_the_completer_stops_write_their_own(
     assert status_of(db, first.id) == ("succeeded", False, 0)
 
 
+def test_the_finishing_statement_takes_every_lock_on_the_fast_path(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A worker's hottest statement (finishes, and the claims riding with them) locks
+    `workflow_runs` with every index of it and `workflow_tasks` with its key: 15
+    relations, each taken on the backend's fast path. PostgreSQL 15 has 16 fast-path
+    lock slots a backend; beyond them a lock goes through the shared lock table, whose
+    partitions are contended under load (bench/README.md, "The checks PostgreSQL reads
+    at every write"). Two more indexes on the runs would cross that edge here."""
+    reg, wf = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+    start_each_in_its_own_transaction(db, wf, mgr, 3)
+    executor, completer = mgr._executor, completer_of(mgr)
+    run, *_ = mgr._store.claim_runs(["W"], 1)
+
+    def held() -> int | None:  # the backend of the statement waiting for the row lock
+        row = db.execute("SELECT pid FROM pg_locks WHERE NOT granted LIMIT 1").fetchone()
+        return None if row is None else int(row[0])
+
+    with psycopg.connect(db_url) as blocker:
+        hand_held(blocker, executor, completer, run)
+        wait_until(lambda: held() is not None, "the statement waiting for the row lock")
+        locks = db.execute(
+            "SELECT relation::regclass::text, bool_and(fastpath) FROM pg_locks"
+            " WHERE pid = %s AND locktype = 'relation' GROUP BY 1", (held(),),
+        ).fetchall()
+        blocker.rollback()
+    completer.stop(10)
+    relations = dict(locks)
+    assert {"workflow_runs", "workflow_runs_pkey", "workflow_tasks"} <= set(relations)
+    assert [name for name, fast in relations.items() if not fast] == []
+    assert len(relations) <= 16
+
+
 def test_a_finish_handed_to_a_stopped_completer_is_written_on_its_own_thread(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:
