@@ -421,6 +421,61 @@ def test_threads_waiting_for_room_when_the_completer_stops_write_their_own(
     assert status_of(db, first.id) == ("succeeded", False, 0)
 
 
+def test_a_thread_that_fails_after_its_wake_up_for_room_passes_it_on(
+    make_manager: Any, db: psycopg.Connection[Any], db_url: str
+) -> None:
+    """A statement's end wakes one thread waiting for each place it freed. When the woken
+    thread fails before it takes the place (here the poller's `release` raises on it; an
+    interrupt would do the same), the wake-up goes on to the next thread waiting: with
+    nothing else in flight, that one would otherwise wait for ever."""
+    reg, _ = registry(workflow.handle(A, lambda run: Out("x")))
+    mgr = make_manager(reg)
+
+    def release() -> None:
+        if threading.current_thread().name == "raiser":
+            raise RuntimeError("release failed")
+
+    completer = Completer(mgr._store, mgr._executor.log, ["W"], 1, release,
+                          lambda wanted: 0, lambda runs, reserved: None, flights=1)
+    completer.start()
+
+    class Finish:
+        def __init__(self) -> None:
+            run_id, claim_id = insert_claimed_run(db, tasks=1)
+            self.run_id = run_id
+            self.params = Store.step_params(run_id, claim_id, 1, None, 2)
+            self.answer: bool | Exception | None = None
+
+        def resolve(self, answer: bool | Exception) -> None:
+            self.answer = answer
+
+    held, raised, last = Finish(), Finish(), Finish()
+    failures: list[BaseException] = []
+
+    def hand(finish: Finish) -> None:
+        try:
+            completer.hand(finish)
+        except BaseException as e:
+            failures.append(e)
+
+    with psycopg.connect(db_url) as blocker:
+        lock_row(blocker, held.run_id)
+        completer.hand(held)
+        wait_until(lambda: completer.pending == 0, "the held finish in a statement")
+        threads = []
+        for name, finish in (("raiser", raised), ("last", last)):
+            thread = threading.Thread(target=hand, args=(finish,), name=name, daemon=True)
+            thread.start()
+            threads.append(thread)
+            wait_until(lambda: len(completer._room._waiters) == len(threads),  # type: ignore[attr-defined]
+                       f"{name} waiting for room")
+        blocker.rollback()
+    wait_until(lambda: last.answer is not None, "the last thread's finish written")
+    assert held.answer is True and last.answer is True and raised.answer is None
+    assert [str(e) for e in failures] == ["release failed"]
+    completer.stop(10)
+
+
 def test_the_finishing_statement_takes_every_lock_on_the_fast_path(
     make_manager: Any, db: psycopg.Connection[Any], db_url: str
 ) -> None:
