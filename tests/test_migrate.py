@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.rows import dict_row
 from yoyo import get_backend, read_migrations
 
@@ -488,8 +489,8 @@ def apply_app_chain(url: str, directory: Path) -> list[str]:
 def test_an_application_yoyo_chain_applies_alongside_ours(
     empty_db_url: str, tmp_path: Path, ours_first: bool
 ) -> None:
-    for filename, sql in APP_CHAIN.items():
-        (tmp_path / filename).write_text(sql)
+    for filename, body in APP_CHAIN.items():
+        (tmp_path / filename).write_text(body)
     app_ids = sorted(name[: -len(".sql")] for name in APP_CHAIN)
 
     if ours_first:
@@ -618,3 +619,68 @@ def test_the_runs_checks_hold_no_array_to_fold_at_every_write_and_keep_their_rul
             conn.execute("UPDATE workflow_runs SET status = 'Pending'")
         with pytest.raises(psycopg.errors.NotNullViolation):
             conn.execute(insert, (None,))
+
+
+# Each rule of workflow_runs refuses a row that breaks it, by insert and by update, under
+# its constraint's name; the rows beside them are the shapes the engine writes.
+
+_A_RUN = {"workflow": "W", "status": "pending", "input": "{}", "task_count": 1, "current_seq": 1}
+_NOW = "2026-12-07T00:00:00Z"
+RUN_ROWS: list[tuple[str | None, dict[str, Any]]] = [
+    # (the constraint the row breaks, or None; the columns that differ from _A_RUN)
+    *((None, {"status": status})
+      for status in ("pending", "running", "succeeded", "parked", "cancelled")),
+    (None, {"input": None, "input_sealed": b"sealed"}),
+    (None, {"context": "{}"}),
+    (None, {"context_sealed": b"sealed"}),
+    (None, {"claim_id": uuid.uuid4(), "heartbeat_at": _NOW}),
+    (None, {"concurrency_key": b"k"}),
+    (None, {"concurrency_key": b"k", "key_slot": 0}),
+    ("workflow_runs_status_check", {"status": "done"}),
+    ("workflow_runs_status_check", {"status": "Pending"}),
+    ("workflow_runs_task_count_check", {"task_count": 0}),
+    ("workflow_runs_one_input", {"input": None}),
+    ("workflow_runs_one_input", {"input_sealed": b"sealed"}),
+    ("workflow_runs_one_context", {"context": "{}", "context_sealed": b"sealed"}),
+    ("workflow_runs_claim_heartbeat", {"claim_id": uuid.uuid4()}),
+    ("workflow_runs_claim_heartbeat", {"heartbeat_at": _NOW}),
+    ("workflow_runs_key_slot", {"key_slot": 0}),
+    ("workflow_runs_key_slot", {"concurrency_key": b"k", "key_slot": -1}),
+]
+
+
+def assert_runs_rules_hold(conn: psycopg.Connection[Any]) -> None:
+    """Every row of RUN_ROWS is taken or refused, by insert and by update, naming the
+    constraint it breaks; a NULL status is refused by its NOT NULL constraint."""
+    def insert(columns: dict[str, Any]) -> str:
+        run = {"id": uuid.uuid4(), **_A_RUN, **columns}
+        conn.execute(sql.SQL("INSERT INTO workflow_runs ({}) VALUES ({})").format(
+            sql.SQL(", ").join(map(sql.Identifier, run)),
+            sql.SQL(", ").join(sql.Placeholder() * len(run))), list(run.values()))
+        return str(run["id"])
+
+    for broken, columns in RUN_ROWS:
+        if broken is None:
+            insert(columns)
+            continue
+        with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
+            insert(columns)
+        assert refused.value.diag.constraint_name == broken
+        assert refused.value.diag.table_name == "workflow_runs"
+        run_id = insert({})
+        with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
+            conn.execute(sql.SQL("UPDATE workflow_runs SET ({}) = ROW({}) WHERE id = %s").format(
+                sql.SQL(", ").join(map(sql.Identifier, columns)),
+                sql.SQL(", ").join(sql.Placeholder() * len(columns))),
+                [*columns.values(), run_id])
+        assert refused.value.diag.constraint_name == broken
+    with pytest.raises(psycopg.errors.NotNullViolation):
+        insert({"status": None})
+
+
+def test_each_of_the_runs_rules_refuses_a_row_that_breaks_it_under_its_name(
+    empty_db_url: str,
+) -> None:
+    migrate(empty_db_url)
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        assert_runs_rules_hold(conn)
