@@ -329,6 +329,12 @@ def write_report(
         f"| load average at start | {', '.join(f'{x:.2f}' for x in m['loadavg_at_start'])} "
         "(shared machine: other engineers' test suites run alongside) |"
     )
+    if meta.get("cpu_steal") is not None:
+        w(
+            f"| CPU steal during the run | {100 * meta['cpu_steal']:.1f}% of the machine's CPU "
+            "time went to other guests of the hypervisor (/proc/stat), unevenly over the run: "
+            "the timings below are slowed by it, some more than others |"
+        )
     w(f"| Python | {m['python']} |")
     w(f"| PostgreSQL | {pg['version'].split(' on ')[0]}, same machine, TCP 127.0.0.1 |")
     w(

@@ -46,9 +46,11 @@ sys.path.insert(0, REPO)
 
 from bench.common import (  # noqa: E402
     REDIS_URL,
+    cpu_ticks,
     latency_summary,
     machine_info,
     pg_info,
+    steal_share,
 )
 
 PEERS = ["dbos", "procrastinate", "celery"]
@@ -230,6 +232,7 @@ def main() -> None:
     quick = args.quick
     runner = Runner(quick)
     started = time.monotonic()
+    ticks = cpu_ticks()
     py = sys.executable
     meta: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -485,6 +488,7 @@ def main() -> None:
             timeout=1200,
         )
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
+    meta["cpu_steal"] = steal_share(ticks, cpu_ticks())
     raw = os.path.join(HERE, ".logs", "results-quick.json" if quick else "results.json")
     with open(raw, "w") as f:
         json.dump(
