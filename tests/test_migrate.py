@@ -659,6 +659,11 @@ def assert_runs_rules_hold(conn: psycopg.Connection[Any]) -> None:
             sql.SQL(", ").join(sql.Placeholder() * len(run))), list(run.values()))
         return str(run["id"])
 
+    checks = {name for (name,) in conn.execute(
+        "SELECT conname FROM pg_constraint"
+        " WHERE contype = 'c' AND conrelid = 'workflow_runs'::regclass"
+    )}
+    assert checks == {broken for broken, _ in RUN_ROWS if broken}, "a rule without a row here"
     for broken, columns in RUN_ROWS:
         if broken is None:
             insert(columns)
@@ -674,6 +679,7 @@ def assert_runs_rules_hold(conn: psycopg.Connection[Any]) -> None:
                 sql.SQL(", ").join(sql.Placeholder() * len(columns))),
                 [*columns.values(), run_id])
         assert refused.value.diag.constraint_name == broken
+        assert refused.value.diag.table_name == "workflow_runs"
     with pytest.raises(psycopg.errors.NotNullViolation):
         insert({"status": None})
 
