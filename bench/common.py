@@ -149,28 +149,24 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def cpu_ticks() -> list[int] | None:
-    """The machine's CPU time so far by state (/proc/stat's `cpu` line: user, nice,
-    system, idle, iowait, irq, softirq, steal, ...), in clock ticks; None off Linux."""
-    try:
-        with open("/proc/stat") as f:
-            for line in f:
-                if line.startswith("cpu "):
-                    return [int(x) for x in line.split()[1:]]
-    except OSError:
-        pass
-    return None
+def cpu_times() -> Any:
+    """The machine's CPU time so far by state (psutil's `cpu_times()`: user, system,
+    idle, ... and, on Linux, steal), to pass to `steal_share`."""
+    import psutil
+
+    return psutil.cpu_times()
 
 
-def steal_share(before: list[int] | None, after: list[int] | None) -> float | None:
-    """The share of the machine's CPU time between two `cpu_ticks()` readings that the
+def steal_share(before: Any, after: Any) -> float | None:
+    """The share of the machine's CPU time between two `cpu_times()` readings that the
     hypervisor gave to other guests (steal): what makes timings on a shared cloud
-    instance swing between minutes."""
-    if not before or not after or len(before) < 8 or len(after) < 8:
+    instance swing between minutes. None where the system does not report steal."""
+    if not hasattr(before, "steal"):
         return None
-    # guest and guest_nice (fields 9 and 10) are already counted in user and nice.
-    total = sum(after[:8]) - sum(before[:8])
-    return (after[7] - before[7]) / total if total > 0 else None
+    # guest and guest_nice are already counted in user and nice.
+    fields = [f for f in before._fields if f not in ("guest", "guest_nice")]
+    total = sum(getattr(after, f) - getattr(before, f) for f in fields)
+    return (after.steal - before.steal) / total if total > 0 else None
 
 
 def pg_info() -> dict[str, Any]:

@@ -332,7 +332,7 @@ def write_report(
     if meta.get("cpu_steal") is not None:
         w(
             f"| CPU steal during the run | {100 * meta['cpu_steal']:.1f}% of the machine's CPU "
-            "time went to other guests of the hypervisor (/proc/stat), unevenly over the run: "
+            "time went to other guests of the hypervisor (psutil), unevenly over the run: "
             "the timings below are slowed by it, some more than others |"
         )
     w(f"| Python | {m['python']} |")

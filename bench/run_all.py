@@ -46,7 +46,7 @@ sys.path.insert(0, REPO)
 
 from bench.common import (  # noqa: E402
     REDIS_URL,
-    cpu_ticks,
+    cpu_times,
     latency_summary,
     machine_info,
     pg_info,
@@ -232,7 +232,7 @@ def main() -> None:
     quick = args.quick
     runner = Runner(quick)
     started = time.monotonic()
-    ticks = cpu_ticks()
+    ticks = cpu_times()
     py = sys.executable
     meta: dict[str, Any] = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -488,7 +488,7 @@ def main() -> None:
             timeout=1200,
         )
     meta["elapsed_s"] = round(time.monotonic() - started, 1)
-    meta["cpu_steal"] = steal_share(ticks, cpu_ticks())
+    meta["cpu_steal"] = steal_share(ticks, cpu_times())
     raw = os.path.join(HERE, ".logs", "results-quick.json" if quick else "results.json")
     with open(raw, "w") as f:
         json.dump(

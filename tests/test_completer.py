@@ -343,6 +343,12 @@ def test_a_full_completer_makes_the_next_thread_wait(
     completer.stop(10)
 
 
+def in_the_wait_for_room(completer: Completer) -> int:
+    """How many threads wait for room in `completer` (CPython's Condition keeps its
+    waiters' locks in `_waiters`)."""
+    return len(completer._room._waiters)  # type: ignore[attr-defined]
+
+
 def waiting_for_room(
     mgr: workflow.Manager, wf: Any, db: psycopg.Connection[Any],
     blocker: psycopg.Connection[Any], count: int,
@@ -364,9 +370,7 @@ def waiting_for_room(
     ]
     for thread in waiting:
         thread.start()
-    # Each is in the wait for room (CPython's Condition keeps its waiters' locks there).
-    wait_until(lambda: len(completer._room._waiters) == count,  # type: ignore[attr-defined]
-               "every thread waiting for room")
+    wait_until(lambda: in_the_wait_for_room(completer) == count, "every thread waiting for room")
     assert all(thread.is_alive() for thread in waiting)
     assert completer.pending == 0
     return completer, first, others, waiting
@@ -467,7 +471,7 @@ def test_a_thread_that_fails_after_its_wake_up_for_room_passes_it_on(
             thread = threading.Thread(target=hand, args=(finish,), name=name, daemon=True)
             thread.start()
             threads.append(thread)
-            wait_until(lambda: len(completer._room._waiters) == len(threads),  # type: ignore[attr-defined]
+            wait_until(lambda: in_the_wait_for_room(completer) == len(threads),
                        f"{name} waiting for room")
         blocker.rollback()
     wait_until(lambda: last.answer is not None, "the last thread's finish written")

@@ -649,44 +649,41 @@ RUN_ROWS: list[tuple[str | None, dict[str, Any]]] = [
 ]
 
 
-def assert_runs_rules_hold(conn: psycopg.Connection[Any]) -> None:
-    """Every row of RUN_ROWS is taken or refused, by insert and by update, naming the
-    constraint it breaks; a NULL status is refused by its NOT NULL constraint."""
-    def insert(columns: dict[str, Any]) -> str:
-        run = {"id": uuid.uuid4(), **_A_RUN, **columns}
-        conn.execute(sql.SQL("INSERT INTO workflow_runs ({}) VALUES ({})").format(
-            sql.SQL(", ").join(map(sql.Identifier, run)),
-            sql.SQL(", ").join(sql.Placeholder() * len(run))), list(run.values()))
-        return str(run["id"])
-
-    checks = {name for (name,) in conn.execute(
-        "SELECT conname FROM pg_constraint"
-        " WHERE contype = 'c' AND conrelid = 'workflow_runs'::regclass"
-    )}
-    assert checks == {broken for broken, _ in RUN_ROWS if broken}, "a rule without a row here"
-    for broken, columns in RUN_ROWS:
-        if broken is None:
-            insert(columns)
-            continue
-        with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
-            insert(columns)
-        assert refused.value.diag.constraint_name == broken
-        assert refused.value.diag.table_name == "workflow_runs"
-        run_id = insert({})
-        with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
-            conn.execute(sql.SQL("UPDATE workflow_runs SET ({}) = ROW({}) WHERE id = %s").format(
-                sql.SQL(", ").join(map(sql.Identifier, columns)),
-                sql.SQL(", ").join(sql.Placeholder() * len(columns))),
-                [*columns.values(), run_id])
-        assert refused.value.diag.constraint_name == broken
-        assert refused.value.diag.table_name == "workflow_runs"
-    with pytest.raises(psycopg.errors.NotNullViolation):
-        insert({"status": None})
-
-
 def test_each_of_the_runs_rules_refuses_a_row_that_breaks_it_under_its_name(
     empty_db_url: str,
 ) -> None:
+    """Every row of RUN_ROWS is taken or refused, by insert and by update, naming the
+    constraint it breaks; a NULL status is refused by its NOT NULL constraint."""
     migrate(empty_db_url)
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
-        assert_runs_rules_hold(conn)
+        def insert(columns: dict[str, Any]) -> str:
+            run = {"id": uuid.uuid4(), **_A_RUN, **columns}
+            conn.execute(sql.SQL("INSERT INTO workflow_runs ({}) VALUES ({})").format(
+                sql.SQL(", ").join(map(sql.Identifier, run)),
+                sql.SQL(", ").join(sql.Placeholder() * len(run))), list(run.values()))
+            return str(run["id"])
+
+        checks = {name for (name,) in conn.execute(
+            "SELECT conname FROM pg_constraint"
+            " WHERE contype = 'c' AND conrelid = 'workflow_runs'::regclass"
+        )}
+        assert checks == {broken for broken, _ in RUN_ROWS if broken}, "a rule without a row here"
+        for broken, columns in RUN_ROWS:
+            if broken is None:
+                insert(columns)
+                continue
+            with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
+                insert(columns)
+            assert refused.value.diag.constraint_name == broken
+            assert refused.value.diag.table_name == "workflow_runs"
+            run_id = insert({})
+            with pytest.raises(psycopg.errors.CheckViolation, match=broken) as refused:
+                update = sql.SQL("UPDATE workflow_runs SET ({}) = ROW({}) WHERE id = %s")
+                conn.execute(update.format(
+                    sql.SQL(", ").join(map(sql.Identifier, columns)),
+                    sql.SQL(", ").join(sql.Placeholder() * len(columns))),
+                    [*columns.values(), run_id])
+            assert refused.value.diag.constraint_name == broken
+            assert refused.value.diag.table_name == "workflow_runs"
+        with pytest.raises(psycopg.errors.NotNullViolation):
+            insert({"status": None})
