@@ -561,12 +561,8 @@ RUN_INDEXES = {
     "workflow_runs_idempotency": "start with an idempotency key",
     "workflow_runs_claims": "heartbeat, sweep, a claim's recovery after a lost reply",
     "workflow_runs_ready_per_workflow": "the claims (0010), next_due, gauges, stats, KEDA",
-    # The next release drops these two and workflow_runs_key_due.
-    "workflow_runs_ready": "the claims of 0008 and 0009, the README KEDA query until 0010",
-    "workflow_runs_claimable": "the gauges and stats of 0010, the README KEDA query until 0010",
     "workflow_runs_key_slots": "per-key limits: the slots held",
-    "workflow_runs_key_queue": "per-key limits: the runs waiting for a slot",
-    "workflow_runs_key_due": "next_due's keyed half until 0011; gauges and stats (as key_queue)",
+    "workflow_runs_key_queue": "per-key limits: the runs waiting for a slot; gauges, stats",
     "workflow_runs_key_due_per_workflow": "next_due's keyed half (0011)",
     "workflow_runs_finished": "prune, stats and gauges of finished runs",
     "workflow_runs_created": "listing newest first",
@@ -687,3 +683,41 @@ def test_each_of_the_runs_rules_refuses_a_row_that_breaks_it_under_its_name(
             assert refused.value.diag.table_name == "workflow_runs"
         with pytest.raises(psycopg.errors.NotNullViolation):
             insert({"status": None})
+
+
+# The indexes 0013 dropped, as 0012 had them (pg_get_indexdef on PostgreSQL 15 and 18).
+DROPPED_BY_0013 = {
+    "workflow_runs_ready": "USING btree (next_retry_at, created_at, id) WHERE ((claim_id IS NULL)"
+    " AND (finished_at IS NULL) AND ((concurrency_key IS NULL) OR (key_slot IS NOT NULL)))",
+    "workflow_runs_claimable": "USING btree (created_at, id) WHERE ((claim_id IS NULL)"
+    " AND (finished_at IS NULL))",
+    "workflow_runs_key_due": "USING btree (next_retry_at) WHERE ((finished_at IS NULL)"
+    " AND (concurrency_key IS NOT NULL) AND (key_slot IS NULL))",
+}
+
+
+def test_0013_drops_the_global_claim_indexes_and_its_rollback_brings_them_back(
+    empty_db_url: str,
+) -> None:
+    """The contraction of 0010 and 0011: the three indexes no query of 0011 or later reads
+    are gone, and the rollback (for code older than 0011) builds them as they were."""
+    migrate(empty_db_url)
+
+    def defs(conn: psycopg.Connection[Any]) -> dict[str, str]:
+        return {
+            name: indexdef.split(" ON public.workflow_runs ")[1]
+            for name, indexdef in conn.execute(
+                "SELECT indexname, indexdef FROM pg_indexes"
+                " WHERE tablename = 'workflow_runs' AND indexname = ANY(%s)",
+                (list(DROPPED_BY_0013),),
+            )
+        }
+
+    with psycopg.connect(empty_db_url, autocommit=True) as conn:
+        assert defs(conn) == {}
+        conn.execute(
+            (MIGRATIONS_DIR / "0013_drop_global_claim_indexes.rollback.sql").read_text("utf-8")
+        )
+        assert defs(conn) == DROPPED_BY_0013
+        conn.execute((MIGRATIONS_DIR / "0013_drop_global_claim_indexes.sql").read_text("utf-8"))
+        assert defs(conn) == {}

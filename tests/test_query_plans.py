@@ -288,17 +288,10 @@ def _assert_reads_the_open_runs_through_the_claims_and_keys_indexes(
     scans: list[tuple[str, str | None, str | None]],
 ) -> None:
     """The open, unclaimed runs read as two disjoint parts: those that may be claimed (the
-    claims' index) and the keyed runs waiting for a slot (an index of theirs), and through
-    neither workflow_runs_claimable nor workflow_runs_ready, which cost an entry at every
-    insert of a run for a poller and go in the next release (the queries of 0010 and the
-    KEDA query of its README read them). The keyed part spells "unclaimed" as
-    `num_nonnulls(claim_id) = 0`, so that neither index's predicate follows from it."""
+    claims' index) and the keyed runs waiting for a slot (workflow_runs_key_queue). The
+    gauges and `stats` of 0010 read workflow_runs_claimable, which 0013 dropped."""
     assert _uses_index(scans, READY), scans
-    # Both hold exactly the keyed runs waiting for a slot (same predicate).
-    assert _uses_index(scans, "workflow_runs_key_queue") or _uses_index(
-        scans, "workflow_runs_key_due"), scans
-    assert not _uses_index(scans, "workflow_runs_claimable"), scans
-    assert not _uses_index(scans, "workflow_runs_ready"), scans
+    assert _uses_index(scans, "workflow_runs_key_queue"), scans
 
 
 MILLION = 1_000_000
@@ -580,7 +573,6 @@ def test_the_claim_of_one_keys_next_run_is_a_few_index_probes(
     }
     scans = _scans(_plan(keyed_db, "claim_key_head", params))
     _assert_no_seq_scan(scans)
-    assert not _uses_index(scans, "workflow_runs_ready"), scans
     assert not _uses_index(scans, READY), scans
     assert not _uses_index(scans, "workflow_runs_due"), scans
     plan, rows = _analyzed(keyed_db, "claim_key_head", params)
@@ -799,8 +791,6 @@ def test_the_plan_kept_finds_runs_by_index(
     _assert_no_seq_scan(scans)
     if statement != "complete_tasks":
         assert _uses_index(scans, READY), scans
-        assert not _uses_index(scans, "workflow_runs_claimable"), scans
-        assert not _uses_index(scans, "workflow_runs_ready"), scans
 
 
 # Other workflows' backlogs (SPEC 11: several services may share the tables): a claim reads

@@ -28,7 +28,7 @@ import workflow_migrations
 from workflow.errors import WorkflowError
 from workflow.store.connections import connect
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 """The number of the newest migration in the chain this code was built with."""
 
 TABLE_PREFIX = "workflow_yoyo_"

@@ -224,11 +224,11 @@ ORDER BY t.seq;
 -- skips them, and finds nothing when they were all there was). A workflow named twice is read once
 -- (`given`).
 -- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
--- predicate spells it, so that no other index's predicate follows from the query: with `claim_id IS NULL
--- AND finished_at IS NULL` the planner could read workflow_runs_ready (by due time alone, kept one
--- release for the previous code) and filter on the workflow, which reads every other workflow's due
--- runs, or workflow_runs_claimable (by creation) and sort the whole backlog at every claim, as it did
--- on a table whose statistics were taken before the backlog came (1.2 ms of server CPU a job).
+-- predicate spells it, so that no other index's predicate follows from the query: until 0013 dropped
+-- them, with `claim_id IS NULL AND finished_at IS NULL` the planner could read workflow_runs_ready (by
+-- due time alone) and filter on the workflow, which reads every other workflow's due runs, or
+-- workflow_runs_claimable (by creation) and sort the whole backlog at every claim, as it did on a
+-- table whose statistics were taken before the backlog came (1.2 ms of server CPU a job).
 -- The parameters are read through `given`, one materialized row, so that no estimate depends on their
 -- values: the plan PostgreSQL makes without them is then as cheap as one made for them, so after five
 -- executions it keeps that generic plan for the connection instead of planning every execution anew
@@ -978,7 +978,7 @@ WHERE status = %(status)s AND finished_at IS NOT NULL
 -- Per workflow: runs pending and running, claimable now (not a keyed run waiting for a slot), the oldest claimable's age (s), stale claims, parked, and finished in the last day.
 -- The open, unclaimed runs are read in two disjoint parts: those that may be claimed, through the claims'
 -- index (spelt as its predicate is), and the keyed runs waiting for a slot, through an index of theirs
--- ("unclaimed" spelt so that workflow_runs_claimable's predicate does not follow: it goes next release).
+-- ("unclaimed" spelt so that the predicate of workflow_runs_claimable, 0010's reader, did not follow).
 WITH open AS (
     SELECT workflow, status, claim_id, heartbeat_at, created_at, next_retry_at, true AS ready
     FROM workflow_runs WHERE num_nonnulls(claim_id, finished_at) = 0
