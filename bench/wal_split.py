@@ -3,18 +3,21 @@ engine, own-null and min-null (bench/typed.py's three systems), read from the WA
 
 Each system runs `--runs` runs from one thread on one fresh database (migrated, with
 min-null's tables beside pgworkflow's), after 200 unmeasured ones, for `--rounds`
-rounds. The WAL between the two insert positions is read with pg_walinspect
+rounds. The WAL between the flush positions before and after (every commit of the runs
+is flushed by then) is read with pg_walinspect
 (`pg_get_wal_records_info`), and every record on a block of that database is counted
 under its first block's relation (heap, index or its split, prune and dedup records),
 and every other record of a transaction that wrote one (its commit) under `(xact)`.
 A temporary physical replication slot keeps the segments until they are read.
 Full-page images (the first change to a page after a checkpoint) are counted apart,
-in `fpi`: a checkpoint that falls in one system's slice and not another's is not a
-difference of their SQL, so compare the rows of a round without them (the totals
-without full-page images are printed beside the totals).
+in `fpi`. A checkpoint that falls in one system's slice and not another's is not a
+difference of their SQL, and it changes more than the images (page pruning, for one),
+so compare rounds without any: the totals without full-page images, printed beside
+the totals, do not make a round with them comparable.
 
-Bytes are exact, not timed: other work on the server does not reach them (its
-checkpoints do, through `fpi`).
+Bytes are exact, not timed: other databases' work does not reach them, but a
+checkpoint does (through `fpi`), and so do autovacuum's and analyze's records on the
+bench database's own tables.
 
     PYTHONPATH=. python bench/wal_split.py [--runs 2000] [--rounds 2]
 """

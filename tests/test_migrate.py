@@ -700,7 +700,8 @@ def test_0013_drops_the_global_claim_indexes_and_its_rollback_brings_them_back(
     empty_db_url: str,
 ) -> None:
     """The contraction of 0010 and 0011: the three indexes no query of 0011 or later reads
-    are gone, and the rollback (for code older than 0011) builds them as they were."""
+    are gone, and the rollback (for code older than 0011) builds them as they were, one
+    left invalid by a failed concurrent build too."""
     migrate(empty_db_url)
 
     def defs(conn: psycopg.Connection[Any]) -> dict[str, str]:
@@ -716,8 +717,21 @@ def test_0013_drops_the_global_claim_indexes_and_its_rollback_brings_them_back(
     with psycopg.connect(empty_db_url, autocommit=True) as conn:
         assert defs(conn) == {}
         conn.execute(
+            "INSERT INTO workflow_runs (id, workflow, status, input, task_count, current_seq)"
+            " SELECT gen_random_uuid(), 'W', 'pending', '{}', 1, 1 FROM generate_series(1, 2)"
+        )
+        with pytest.raises(psycopg.errors.UniqueViolation):  # fails, leaving it invalid
+            conn.execute(
+                "CREATE UNIQUE INDEX CONCURRENTLY workflow_runs_ready ON workflow_runs (workflow)"
+            )
+        conn.execute(
             (MIGRATIONS_DIR / "0013_drop_global_claim_indexes.rollback.sql").read_text("utf-8")
         )
         assert defs(conn) == DROPPED_BY_0013
+        invalid = conn.execute(
+            "SELECT count(*) FROM pg_index WHERE indrelid = 'workflow_runs'::regclass"
+            " AND NOT indisvalid"
+        ).fetchone()
+        assert invalid == (0,)
         conn.execute((MIGRATIONS_DIR / "0013_drop_global_claim_indexes.sql").read_text("utf-8"))
         assert defs(conn) == {}

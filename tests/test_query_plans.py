@@ -574,7 +574,6 @@ def test_the_claim_of_one_keys_next_run_is_a_few_index_probes(
     scans = _scans(_plan(keyed_db, "claim_key_head", params))
     _assert_no_seq_scan(scans)
     assert not _uses_index(scans, READY), scans
-    assert not _uses_index(scans, "workflow_runs_due"), scans
     plan, rows = _analyzed(keyed_db, "claim_key_head", params)
     assert len({row[0] for row in rows}) == 1
     print(f"\none key's next run: {_buffers(plan)} pages")
@@ -782,10 +781,9 @@ def test_the_plan_kept_finds_runs_by_index(
     history with statistics, on a backlog with statistics, and on a backlog inserted moments
     ago without any: it estimates one step or claim (a LIMIT it cannot read is a tenth of
     its input), so the runs are found by primary key, and the claim goes through the ready
-    index, workflow by workflow, and through no other index of the open runs. (On a young
-    table of 30,000 runs, the claim of migration 0010's first text read
-    workflow_runs_claimable, by creation, and sorted every run waiting at every claim: 1.2
-    ms of server CPU a job.)"""
+    index, workflow by workflow. (On a young table of 30,000 runs, the claim of migration
+    0010's first text read workflow_runs_claimable, by creation, since dropped, and sorted
+    every run waiting at every claim: 1.2 ms of server CPU a job.)"""
     conn: psycopg.Connection[Any] = request.getfixturevalue(database)
     scans = _scans(_generic_plan(conn, statement, _params_of(statement, 16)))
     _assert_no_seq_scan(scans)

@@ -18,11 +18,12 @@
 -- (bench/README.md, "The indexes a start pays for"). Every write of a run, the fast path's
 -- too, opened them and prepared their predicates.
 --
--- Code older than 0011 that is still running when this is applied works on, but reads
--- the table where it read these indexes: the claims of 0008 and 0009, next_due of 0010,
--- the gauges and `stats` of 0010, and a KEDA scaler still running the README's query of
--- 0010 or earlier. Finish the rollout of 0011's code or later (and change the scaler's
--- query) first.
+-- Any code older than 0011 still running when this is applied works on, but reads the
+-- table where it read these indexes (its claims, next_due, gauges and `stats`), and so
+-- does a KEDA scaler still running the README's query of 0010 or earlier. Finish the
+-- rollout of code of 0011 or later (and change the scaler's query) first; code of this
+-- migration's release starts only on a schema that has it, so from code older than 0011
+-- the upgrade goes through a release of 0011 or 0012.
 --
 -- A DROP INDEX holds the table's ACCESS EXCLUSIVE lock until the migration commits, which
 -- follows at once, but waits for it behind any transaction that has touched the table.
