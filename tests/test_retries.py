@@ -148,6 +148,26 @@ def test_failure_of_the_last_attempt_of_a_one_attempt_task_parks_at_once(
 # --- backoff, through the persisted next_retry_at ------------------------------------
 
 
+def kick_due_retry(db: psycopg.Connection[Any], run: workflow.Run, attempts: int) -> Status:
+    """`run.wait(timeout=0)` until it has kicked the due retry; its status.
+
+    The failed attempt's claim is released before its execution here has ended, and
+    until then wait() finds the run executing here and kicks nothing: the poller,
+    asleep until the retry's time before the time travel, would take it only then.
+    So kick again until the run is claimed, or its next attempt has ended, or it has
+    parked (the last attempt fails at once and parks the run, which can happen before
+    wait() reads the status: often through PgBouncer)."""
+    def taken(_: Any) -> bool:
+        nonlocal status
+        status = run.wait(timeout=0)
+        row = task_state(db, run.id)
+        return status is not Status.RUNNING or row[0] > attempts or row[3] is not None
+
+    status = Status.RUNNING
+    poll(db, "SELECT 1", until=taken, what="the due retry kicked")
+    return status
+
+
 def _persisted_delays(
     make_manager: Any,
     db: psycopg.Connection[Any],
@@ -175,9 +195,7 @@ def _persisted_delays(
         assert in_future, "a released retry is not claimable before next_retry_at"
         delays.append(seconds(retry_at - failed_at))
         time_travel(db, run.id)
-        # Kicks the due retry. The last attempt fails at once and parks the run, which
-        # can happen before wait() reads the status (often does through PgBouncer).
-        kicked = run.wait(timeout=0)
+        kicked = kick_due_retry(db, run, attempts)
         last = attempts == max_attempts - 1
         assert kicked is Status.RUNNING or (last and kicked is Status.PARKED), kicked
     assert run.wait(timeout=30) is Status.PARKED
