@@ -134,7 +134,7 @@ def measure(runs: int, rounds: int) -> dict[str, list[Split]]:
 def _report(result: dict[str, list[Split]]) -> None:
     for name, rounds in result.items():
         keys = sorted(set().union(*rounds), key=lambda k: -statistics.median(
-            s[k][0] if k in s else 0.0 for s in rounds))
+            s.get(k, [0.0])[0] for s in rounds))
         print(f"\n== {name}: bytes a run per round, records a run, full-page image bytes a run")
         for key in keys:
             cells = [s.get(key, [0.0, 0.0, 0.0]) for s in rounds]

@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, poll, registry
+from helpers import Inp, Out, poll, registry, wait_until
 from pgbouncer import runner_config
 
 import workflow
@@ -157,15 +157,15 @@ def kick_due_retry(db: psycopg.Connection[Any], run: workflow.Run, attempts: int
     So kick again until the run is claimed, or its next attempt has ended, or it has
     parked (the last attempt fails at once and parks the run, which can happen before
     wait() reads the status: often through PgBouncer)."""
-    def taken(_: Any) -> bool:
-        nonlocal status
-        status = run.wait(timeout=0)
-        row = task_state(db, run.id)
-        return status is not Status.RUNNING or row[0] > attempts or row[3] is not None
+    kicked: list[Status] = []
 
-    status = Status.RUNNING
-    poll(db, "SELECT 1", until=taken, what="the due retry kicked")
-    return status
+    def taken() -> bool:
+        kicked.append(run.wait(timeout=0))
+        row = task_state(db, run.id)
+        return kicked[-1] is not Status.RUNNING or row[0] > attempts or row[3] is not None
+
+    wait_until(taken, "the due retry kicked")
+    return kicked[-1]
 
 
 def _persisted_delays(
