@@ -19,7 +19,7 @@ from typing import Any
 
 import psycopg
 import pytest
-from helpers import Inp, Out, poll, registry, wait_until
+from helpers import Inp, Out, poll, registry
 from pgbouncer import runner_config
 
 import workflow
@@ -148,26 +148,6 @@ def test_failure_of_the_last_attempt_of_a_one_attempt_task_parks_at_once(
 # --- backoff, through the persisted next_retry_at ------------------------------------
 
 
-def kick_due_retry(db: psycopg.Connection[Any], run: workflow.Run, attempts: int) -> Status:
-    """`run.wait(timeout=0)` until it has kicked the due retry; its status.
-
-    The failed attempt's claim is released before its execution here has ended, and
-    until then wait() finds the run executing here and kicks nothing: the poller,
-    asleep until the retry's time before the time travel, would take it only then.
-    So kick again until the run is claimed, or its next attempt has ended, or it has
-    parked (the last attempt fails at once and parks the run, which can happen before
-    wait() reads the status: often through PgBouncer)."""
-    kicked: list[Status] = []
-
-    def taken() -> bool:
-        kicked.append(run.wait(timeout=0))
-        row = task_state(db, run.id)
-        return kicked[-1] is not Status.RUNNING or row[0] > attempts or row[3] is not None
-
-    wait_until(taken, "the due retry kicked")
-    return kicked[-1]
-
-
 def _persisted_delays(
     make_manager: Any,
     db: psycopg.Connection[Any],
@@ -195,7 +175,9 @@ def _persisted_delays(
         assert in_future, "a released retry is not claimable before next_retry_at"
         delays.append(seconds(retry_at - failed_at))
         time_travel(db, run.id)
-        kicked = kick_due_retry(db, run, attempts)
+        # One wait without time left kicks the due retry, though the failed attempt's
+        # execution may still be ending here (its claim released first).
+        kicked = run.wait(timeout=0)
         last = attempts == max_attempts - 1
         assert kicked is Status.RUNNING or (last and kicked is Status.PARKED), kicked
     assert run.wait(timeout=30) is Status.PARKED
@@ -453,6 +435,45 @@ def test_released_retry_runs_again_once_due(make_manager: Any, db: psycopg.Conne
     assert run.wait(timeout=30) is Status.SUCCEEDED
     assert calls == [1, 2]
 
+
+
+def test_wait_without_time_left_kicks_a_due_retry_whose_failed_attempt_is_still_ending_here(
+    make_manager: Any, db: psycopg.Connection[Any]
+) -> None:
+    """SPEC 9: `wait()` claims a run that is claimable now, `timeout=0` included. The
+    failed attempt's claim is released before its execution here has ended; a wait in
+    that window must not take the run for one still executing here and kick nothing."""
+    from workflow.events import ExecutionEnded
+
+    calls: list[int] = []
+    hold = threading.Event()
+
+    def fn(run: workflow.TaskRun[Inp]) -> Out:
+        calls.append(run.attempt)
+        if run.attempt == 1:
+            raise Flaky("not yet")
+        return Out("second")
+
+    def hold_first_end(event: object) -> None:
+        # The execution's end is announced after its claim was released and before
+        # this process records it ended: held here, the window stays open.
+        if isinstance(event, ExecutionEnded) and calls == [1]:
+            assert hold.wait(30)
+
+    reg, wf = registry(workflow.handle(A, fn, max_attempts=3, backoff_schedule=[60]))
+    mgr = make_manager(reg)  # no runnable: nothing but a kick claims the run
+    mgr.events.subscribe(hold_first_end)
+    run = wf.start(mgr, Inp(1))
+    try:
+        wait_released_after(db, run.id, 1)
+        time_travel(db, run.id)
+        assert run.wait(timeout=0) is Status.RUNNING
+        state = task_state(db, run.id)
+        assert state[3] is not None or state[4] == "succeeded", "the due retry was not kicked"
+    finally:
+        hold.set()
+    assert run.wait(timeout=30) is Status.SUCCEEDED
+    assert calls == [1, 2]
 
 # --- invariant 3: the delay comes from the persisted attempt count -------------------
 

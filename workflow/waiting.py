@@ -187,14 +187,19 @@ def wait(
         local = endings.of(run_id)
         if local is not None and not local.done:
             # Executing here: its end wakes us at once. Still read the database
-            # every second: a hung local attempt may have been swept and the
-            # run finished by another executor.
+            # every second (and at once when no time is left): a hung local attempt
+            # may have been swept and the run finished by another executor, or the
+            # attempt here failed and released its claim for a retry that is due now
+            # while its execution is still ending.
             remaining = left()
             if local.wait(POLL if remaining is None else min(POLL, remaining)):
                 continue
-            status = Status(read_status(store, run_id, shown).status)
+            row = read_status(store, run_id, shown)
+            status = Status(row.status)
             if status.terminal:
                 return status
+            if _kick(row, run_id, executor, fastpath):
+                continue
             if left() == 0.0:
                 return Status.RUNNING
             continue
@@ -209,16 +214,21 @@ def wait(
         status = Status(row.status)
         if status.terminal:
             return status
-        # Claim only a run that is claimable now (no round trip otherwise), and
-        # never one of a workflow this manager cannot execute: several services
-        # may share the tables.
-        if (
-            row.claimable
-            and executor.registry.definition(row.workflow) is not None
-            and fastpath.kick(run_id)
-        ):
+        if _kick(row, run_id, executor, fastpath):
             continue
         remaining = left()
         if remaining is not None and remaining <= 0:
             return Status.RUNNING
         waiter.wait(POLL if remaining is None else min(POLL, remaining))
+
+
+def _kick(row: StatusRow, run_id: uuid.UUID, executor: Executor, fastpath: FastPath) -> bool:
+    """Claim and launch the run here when it is claimable now; True when it was.
+
+    Only a run that is claimable now (no round trip otherwise), and never one of a
+    workflow this manager cannot execute: several services may share the tables."""
+    return (
+        row.claimable
+        and executor.registry.definition(row.workflow) is not None
+        and fastpath.kick(run_id)
+    )
