@@ -412,6 +412,81 @@ class System:
         return int(row[0]) if row else 0
 
 
+class Sampler:
+    """`--sample`: where a drain's time goes while it runs, on a connection of its own
+    (to `bench_backlog_wal`, so it is not one of the bench database's backends).
+
+    Every `every` seconds it reads how many tasks the kernel has runnable
+    (`/proc/loadavg`'s fourth field, the sampler itself included) and the state and
+    wait event of every backend of the bench database (`pg_stat_activity`). Over the
+    whole drain it reads the machine's idle time (`/proc/stat`: idle and iowait).
+    Its own reads cost CPU on both sides (one query every `every` seconds), the same
+    for every system sampled: compare systems, not a sampled drain with an unsampled one.
+    """
+
+    def __init__(self, every: float) -> None:
+        import threading
+
+        import psycopg
+
+        self.every = every
+        self.conn = psycopg.connect(scratch_db("bench_backlog_wal"), autocommit=True)
+        self._stop = threading.Event()
+        self._thread: Any = None
+        self.runnable: list[int] = []
+        self.backends: dict[str, int] = {}
+        self.samples = 0
+        self._stat0: list[int] = []
+
+    @staticmethod
+    def _stat() -> list[int]:
+        with open("/proc/stat") as f:
+            return [int(x) for x in f.readline().split()[1:]]
+
+    def start(self, datname: str) -> None:
+        import threading
+
+        self.runnable, self.backends, self.samples = [], {}, 0
+        self._stop.clear()
+        self._stat0 = self._stat()
+        self._thread = threading.Thread(target=self._loop, args=(datname,), daemon=True)
+        self._thread.start()
+
+    def _loop(self, datname: str) -> None:
+        sql = ("SELECT CASE WHEN state = 'active' THEN 'active: '"
+               " || coalesce(wait_event_type || ':' || wait_event, 'no wait (CPU)')"
+               " ELSE coalesce(state, '?') || coalesce(' (' || wait_event || ')', '') END,"
+               " count(*) FROM pg_stat_activity WHERE datname = %s GROUP BY 1")
+        while not self._stop.wait(self.every):
+            with open("/proc/loadavg") as f:
+                self.runnable.append(int(f.read().split()[3].split("/")[0]))
+            for what, count in self.conn.execute(sql, (datname,)).fetchall():
+                self.backends[what] = self.backends.get(what, 0) + count
+            self.samples += 1
+
+    def stop(self) -> dict[str, Any]:
+        """Stop sampling; what was seen (`sample_*` keys)."""
+        self._stop.set()
+        self._thread.join()
+        stat = self._stat()
+        delta = [b - a for a, b in zip(self._stat0, stat, strict=False)]
+        total = sum(delta[:8]) or 1  # user..steal; guest time is counted in user
+        cores = os.cpu_count() or 1
+        n = max(self.samples, 1)
+        hist: dict[str, float] = {}
+        for k in self.runnable:
+            key = str(min(k, cores + 2)) + ("+" if k >= cores + 2 else "")
+            hist[key] = hist.get(key, 0) + 1 / n
+        return {
+            "sample_count": self.samples,
+            "sample_idle_cores": cores * (delta[3] + delta[4]) / total,
+            "sample_steal_cores": cores * delta[7] / total,
+            "sample_runnable_hist": dict(sorted(hist.items())),
+            "sample_backends": {k: v / n for k, v in
+                                sorted(self.backends.items(), key=lambda kv: -kv[1])},
+        }
+
+
 def _tree(proc: subprocess.Popen[bytes]) -> list[Any]:
     """`proc` and its children, as psutil processes ([] once it is gone)."""
     import psutil
@@ -597,7 +672,8 @@ def completions(system: System, conn: Any, n: int) -> dict[str, Any]:
 
 
 def measure(system: System, c: int, n: int, start: str, timeout: float,
-            wal: WalReader, analyze: bool = False) -> dict[str, Any]:
+            wal: WalReader, analyze: bool = False,
+            sampler: Sampler | None = None) -> dict[str, Any]:
     import psycopg
 
     system.install()
@@ -619,12 +695,18 @@ def measure(system: System, c: int, n: int, start: str, timeout: float,
             before = _insert(system, admin, counters, n, result, wal, analyze)
             consumer_cpu = sum(_tree_cpu(procs))
             switches = _tree_switches(procs)
+            if sampler is not None:
+                sampler.start(f"bench_backlog_{system.name}")
             if start == "frozen":
                 _signal_all(procs, signal.SIGCONT)
             else:
                 release(procs)
-            _drain(system, admin, counters, procs, n, timeout, before, result, wal,
-                   consumer_cpu, switches)
+            try:
+                _drain(system, admin, counters, procs, n, timeout, before, result, wal,
+                       consumer_cpu, switches)
+            finally:
+                if sampler is not None:
+                    result.update(sampler.stop())
         return result
 
 
@@ -684,6 +766,9 @@ def main() -> None:
                    help="Procrastinate's backlog, when it should differ from --n (see the "
                         "module's doc)")
     p.add_argument("--timeout", type=float, default=240, help="seconds allowed per drain")
+    p.add_argument("--sample", type=float, metavar="SECONDS",
+                   help="sample runnable tasks and backend states every SECONDS during "
+                        "each drain (not with --start cold; see `Sampler`)")
     args = p.parse_args()
     unknown = set(args.systems) - set(SYSTEMS)
     if unknown:
@@ -695,10 +780,13 @@ def main() -> None:
         args.n_of["procrastinate"] = args.procrastinate_n
     if min(args.n_of[name] for name in args.systems) < 2:
         p.error("a backlog needs at least 2 jobs")
+    if args.sample is not None and (args.sample <= 0 or args.start == "cold"):
+        p.error("--sample needs a positive interval and a warm or frozen start")
     systems = {name: System(name, args.concurrency, args.pgq_batch_size)
                for name in args.systems}
     names = list(args.systems)
     wal = WalReader()
+    sampler = Sampler(args.sample) if args.sample is not None else None
     samples: dict[tuple[str, int], list[dict[str, Any]]] = {}
     began = time.monotonic()
     failures = 0
@@ -710,7 +798,7 @@ def main() -> None:
             for name in order:
                 try:
                     res = measure(systems[name], c, args.n_of[name], args.start, args.timeout,
-                                  wal, args.analyze)
+                                  wal, args.analyze, sampler)
                 except Exception as e:
                     failures += 1
                     log(f"round {r + 1} C={c} {name}: FAILED: {e}")
@@ -730,6 +818,12 @@ def main() -> None:
                     f" + {res['consumer_ivcsw_per_job']:.2f}"
                     f"  enqueue {res['enqueue_jobs_per_s']:.0f}/s  wall {res['wall_s']:.2f}s"
                     f"  peak backends {res['peak_backends']}  [{time.monotonic() - began:.0f}s]")
+                if sampler is not None:
+                    log(f"  sampled {res['sample_count']}x: idle cores"
+                        f" {res['sample_idle_cores']:.2f}, steal {res['sample_steal_cores']:.2f};"
+                        f" runnable {res['sample_runnable_hist']}")
+                    log("  backends: " + ", ".join(
+                        f"{k} {v:.2f}" for k, v in res["sample_backends"].items()))
     report(samples, names, args)
     if failures:
         log(f"{failures} measurement(s) failed")
