@@ -489,11 +489,12 @@ def _statements(conn: Any) -> dict[str, tuple[str, dict[str, Any]]]:
     return {
         "claim_runs (10 of 100 pending)": (
             _Q["claim_runs"],
-            {"workflows": ["Bench.Three", "Bench.One"], "limit": 10, "claims": claims},
+            {"workflows": ["Bench.Three", "Bench.One"], "floors": "{NULL,NULL}", "limit": 10,
+             "claims": claims},
         ),
         "claim_runs (idle: none claimable)": (
             _Q["claim_runs"],
-            {"workflows": ["Bench.Other"], "limit": 10, "claims": claims},
+            {"workflows": ["Bench.Other"], "floors": "{NULL}", "limit": 10, "claims": claims},
         ),
         "claim_run (by id)": (_Q["claim_run"], {"id": pending_id, "claim_id": uuid.uuid4()}),
         "sweep (10 stale of 50 claimed)": (

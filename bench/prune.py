@@ -102,7 +102,8 @@ def claimer(url: str, mgr: workflow.Manager, stop: threading.Event, out: Samples
             n += 1
             with conn.transaction():
                 Probe.start_tx(conn, mgr, Order(order_id=n, cents=n % 900))
-            params = {"workflows": ["Bench.Probe"], "limit": 10, "claims": [uuid.uuid4()]}
+            params = {"workflows": ["Bench.Probe"], "floors": "{NULL}", "limit": 10,
+                      "claims": [uuid.uuid4()]}
             t0 = time.perf_counter()
             claimed = conn.execute(sql, params).fetchall()
             took = time.perf_counter() - t0

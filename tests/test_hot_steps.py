@@ -143,6 +143,6 @@ def test_the_claiming_combined_step_is_complete_tasks_and_claim_runs_own() -> No
     and fences), and the steps are written by the very text of `complete_tasks`."""
     claiming = _Q["complete_tasks_claiming"]
     assert _claim_part(claiming) == _claim_part(_Q["claim_runs"])
-    distinct = "ARRAY(SELECT DISTINCT unnest(%(workflows)s::text[])) AS workflows"
-    assert distinct in claiming and distinct in _Q["claim_runs"]  # each workflow read once
+    floors = "%(workflows)s::text[] AS workflows, %(floors)s::timestamptz[] AS floors"
+    assert floors in claiming and floors in _Q["claim_runs"]  # each workflow from its floor
     assert _step_part(claiming) == _step_part(_Q["complete_tasks"])

@@ -46,7 +46,7 @@ B = workflow.Task("b", Out)
 # A poller's claim (claim_runs: its workflows are its first parameter; the completer's claim
 # has them ninth). Until migration 0011 this was "AND workflow = ANY(", which since 0010's
 # claims matched only next_due: the test meant for a lost claim dropped next_due's reply.
-CLAIM_BATCH = "SELECT ARRAY(SELECT DISTINCT unnest($1::text[])) AS workflows"
+CLAIM_BATCH = "SELECT $1::text[] AS workflows, $2::timestamptz[] AS floors"
 CLAIM_BY_ID = "WHERE id = $1 AND claim_id IS NULL AND finished_at IS NULL"
 INSERT = "INSERT INTO workflow_runs"
 FAILURE = "error_code = $"

@@ -13,6 +13,7 @@ slowing production down.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import re
 import uuid
 from collections.abc import Callable, Iterator
@@ -24,7 +25,7 @@ import psycopg.sql
 import pytest
 from conftest import create_database, drop_database, with_dbname
 
-from workflow.store import _Q, step_arrays
+from workflow.store import _Q, array_literal, step_arrays
 
 FINISHED_RUNS = 20_000
 TASKS_PER_RUN = 3
@@ -109,6 +110,11 @@ def _claims(n: int) -> list[uuid.UUID]:
     return [uuid.uuid4() for _ in range(n)]
 
 
+def _no_floors(n: int) -> str:
+    """The `floors` of a claim of `n` workflows that reads each from the front."""
+    return array_literal([None] * n)
+
+
 def _plan(conn: psycopg.Connection[Any], name: str, params: dict[str, Any]) -> dict[str, Any]:
     """The JSON plan of the store's statement `name` with `params` bound as literals."""
     sql = psycopg.ClientCursor(conn).mogrify(_Q[name], params)
@@ -159,7 +165,8 @@ def test_claim_runs_uses_the_ready_index(plan_db: psycopg.Connection[Any]) -> No
     plan = _plan(
         plan_db,
         "claim_runs",
-        {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)},
+        {"workflows": ["Transfer.Send"], "floors": _no_floors(1), "limit": 10,
+         "claims": _claims(10)},
     )
     scans = _scans(plan)
     assert _uses_index(scans, READY), scans
@@ -172,11 +179,29 @@ def test_claim_runs_of_several_workflows_uses_the_ready_index(
     plan = _plan(
         plan_db,
         "claim_runs",
-        {"workflows": ["Transfer.Send", "Invoice.Send"], "limit": 100, "claims": _claims(100)},
+        {"workflows": ["Transfer.Send", "Invoice.Send"], "floors": _no_floors(2), "limit": 100,
+         "claims": _claims(100)},
     )
     scans = _scans(plan)
     assert _uses_index(scans, READY), scans
     _assert_no_seq_scan(scans)
+
+
+@pytest.mark.parametrize("statement", ["claim_runs", "complete_tasks_claiming"])
+def test_a_claim_from_a_floor_starts_its_index_scan_at_the_floor(
+    plan_db: psycopg.Connection[Any], statement: str
+) -> None:
+    """A claim of a backlog starts at its floor (workflow/store/floors.py): the floor is a
+    bound of the ready index's scan, not a filter applied to the entries before it."""
+    floor = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=1)
+    params = _params_of(statement, 10)
+    params["floors"] = array_literal([floor, None, floor])  # its three workflows
+    plan = _plan(plan_db, statement, params)
+    ready = [node for node in _nodes(plan) if node.get("Index Name") == READY]
+    assert ready, _scans(plan)
+    bound = re.compile(r"next_retry_at >= COALESCE\(w(_\d+)?\.floor")
+    assert all(bound.search(node.get("Index Cond", "")) for node in ready), ready
+    _assert_no_seq_scan(_scans(plan))
 
 
 def test_claim_run_by_id_is_an_index_lookup(plan_db: psycopg.Connection[Any]) -> None:
@@ -419,7 +444,8 @@ def test_the_claim_never_visits_the_runs_due_next_year(
     delayed_db: psycopg.Connection[Any],
 ) -> None:
     """SPEC 14: the claim's cost does not grow with the delayed runs waiting."""
-    params = {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)}
+    params = {"workflows": ["Transfer.Send"], "floors": _no_floors(1), "limit": 10,
+              "claims": _claims(10)}
     scans = _scans(_plan(delayed_db, "claim_runs", params))
     assert _uses_index(scans, READY), scans
     _assert_no_seq_scan(scans)
@@ -511,7 +537,8 @@ def test_the_claim_of_ready_runs_never_visits_a_busy_keys_backlog(
     keyed_db: psycopg.Connection[Any],
 ) -> None:
     """20k keyed runs waiting, due before any other: the ready claim skips them all."""
-    params = {"workflows": ["Transfer.Send"], "limit": 10, "claims": _claims(10)}
+    params = {"workflows": ["Transfer.Send"], "floors": _no_floors(1), "limit": 10,
+              "claims": _claims(10)}
     scans = _scans(_plan(keyed_db, "claim_runs", params))
     assert _uses_index(scans, READY), scans
     _assert_no_seq_scan(scans)
@@ -709,7 +736,8 @@ def _params_of(statement: str, size: int) -> dict[str, Any]:
     they match nothing, and the plan is the same)."""
     workflows = ["Transfer.Send", "Invoice.Send", "Other.Thing"]  # a registry of three
     if statement == "claim_runs":
-        return {"workflows": workflows, "limit": size, "claims": _claims(size)}
+        return {"workflows": workflows, "floors": _no_floors(len(workflows)), "limit": size,
+                "claims": _claims(size)}
     steps = [{"id": uuid.uuid4(), "claim_id": uuid.uuid4(), "seq": 1, "output": "1",
               "next_seq": 2, "finishes": True, "wake_key": True} for _ in range(size)]
     if statement == "complete_tasks":

@@ -31,6 +31,7 @@ from workflow import ids
 from workflow.errors import WorkflowError
 from workflow.logs import EngineLog
 from workflow.store.connections import Connections, Rows, connection_lost
+from workflow.store.floors import Floors, floor_times
 from workflow.store.group_commit import GroupCommit
 from workflow.store.migrate import (
     SCHEMA_VERSION,
@@ -139,9 +140,10 @@ def _failure(error: str, code: str | None) -> dict[str, str | None]:
 
 
 def array_literal(values: Sequence[object]) -> str:
-    """A PostgreSQL array literal of uuids, integers, booleans, text or None (NULL), sent as
-    one text parameter and cast by the statement: far cheaper than psycopg's dump of a
-    list, on every start (compute a constant one once), claim and combined write."""
+    """A PostgreSQL array literal of uuids, integers, booleans, text, datetimes (their ISO
+    text, offset included) or None (NULL), sent as one text parameter and cast by the
+    statement: far cheaper than psycopg's dump of a list, on every start (compute a
+    constant one once), claim and combined write."""
     parts: list[str] = []
     for value in values:
         if value is None:
@@ -231,11 +233,13 @@ def step_arrays(
     steps: Sequence[dict[str, Any]],
     claim_from: Sequence[str] = (),
     new_claims: Sequence[uuid.UUID] = (),
+    floors: Sequence[datetime.datetime | None] = (),
 ) -> dict[str, Any]:
     """The parameters of `complete_tasks` for several `complete_task` parameter sets, in
-    run id order (so that the rows are locked in that order); with `claim_from` and
-    `new_claims`, of `complete_tasks_claiming`, claiming as many runs of `claim_from`
-    as `new_claims` gives claim ids."""
+    run id order (so that the rows are locked in that order); with `claim_from` (each
+    workflow once) and `new_claims`, of `complete_tasks_claiming`, claiming as many runs
+    of `claim_from` as `new_claims` gives claim ids, from the `floors` given (`Floors`;
+    none: from the front)."""
     ordered = sorted(steps, key=lambda p: p["id"])
     params: dict[str, Any] = {
         "ids": array_literal([p["id"] for p in ordered]),
@@ -250,7 +254,8 @@ def step_arrays(
     }
     if new_claims:  # the fast path's batches never claim: no parameters to build for it
         params.update(workflows=array_literal(claim_from), limit=len(new_claims),
-                      new_claims=array_literal(new_claims))
+                      new_claims=array_literal(new_claims),
+                      floors=array_literal(floors or [None] * len(claim_from)))
     return params
 
 
@@ -313,6 +318,8 @@ class Store:
         self.starts = GroupCommit(self._insert_alone, self._insert_together, log,
                                   "starts")
         """How runs started without a transaction or key of the caller's are inserted."""
+        self.floors = Floors()
+        """Where this store's claims of a backlog left off (`claim_runs`, `finish_runs`)."""
 
     def close(self, *, forked: bool = False) -> None:
         """Give the warm connections back (`forked`: forget them, they are the parent's)."""
@@ -489,17 +496,22 @@ class Store:
 
     def claim_runs(self, workflows: Sequence[str], limit: int) -> list[ClaimedRun]:
         """Claim up to `limit` claimable runs of `workflows`, longest due first (new runs in
-        creation order).
+        creation order), from this store's floors while it drains a backlog (`Floors`).
 
         The claim ids are chosen here, so a retry after a lost reply re-selects
         what the lost try claimed instead of stranding it.
         """
+        names = list(dict.fromkeys(workflows))
+        floors = self.floors.of(names)
         params = {
-            "workflows": array_literal(workflows),
+            "workflows": array_literal(names),
+            "floors": array_literal(floor_times(floors)),
             "limit": limit,
             "claims": array_literal([ids.new_id() for _ in range(limit)]),
         }
-        return claimed_runs(self._run("claim_runs", params, "claimed_runs"))
+        runs = claimed_runs(self._run("claim_runs", params, "claimed_runs"))
+        self.floors.claimed(names, floors, runs, limit)
+        return runs
 
     def claim_key_heads(
         self, workflows: Sequence[str], limits: Sequence[int], limit: int
@@ -612,7 +624,9 @@ class Store:
         try:
             if not new_claims:  # outlasts a lost connection itself
                 return list[bool | Exception](self._complete_together(list(steps))), []
-            params = step_arrays(steps, workflows, new_claims)
+            names = list(dict.fromkeys(workflows))
+            floors = self.floors.of(names)
+            params = step_arrays(steps, names, new_claims, floor_times(floors))
             try:
                 rows = self.connections.once("complete_tasks_claiming", params)
             except Exception as e:
@@ -633,6 +647,7 @@ class Store:
             return answers, []
         matched = {(row[1], row[3]) for row in rows if row[0]}
         runs = claimed_runs([row[1:] for row in rows if not row[0]])
+        self.floors.claimed(names, floors, runs, claim)
         return [(step["id"], step["claim_id"]) in matched for step in steps], runs
 
     def _complete_alone(self, params: dict[str, Any], may_have_landed: bool) -> bool:

@@ -206,7 +206,7 @@ WITH pick AS (
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY t.seq;
@@ -221,8 +221,10 @@ ORDER BY t.seq;
 -- workflow left behind) are never visited. Each workflow's first `limit` unlocked runs are locked and
 -- the `limit` due first among them all are claimed: with W workflows' runs due, a claim locks up to W x
 -- `limit` runs to take `limit`, until its commit (a lock each, written to the WAL; a claim made meanwhile
--- skips them, and finds nothing when they were all there was). A workflow named twice is read once
--- (`given`).
+-- skips them, and finds nothing when they were all there was). The caller names each workflow once.
+-- `floors` (one per workflow, or NULL) is where the caller's claims of a backlog left off (store/floors.py):
+-- the scan starts there instead of at the front of the index, where every run claimed since the last vacuum
+-- has left an entry to step over (2.0 ms a claim after 38,500 drained; 0.1 ms from the last claimed run).
 -- "Unclaimed and unfinished" is spelt `num_nonnulls(claim_id, finished_at) = 0`, as that index's
 -- predicate spells it, so that no other index's predicate follows from the query: until 0013 dropped
 -- them, with `claim_id IS NULL AND finished_at IS NULL` the planner could read workflow_runs_ready (by
@@ -237,14 +239,15 @@ ORDER BY t.seq;
 -- from an array (estimated at 10) under the same LIMIT (so at one), and each run is found by its primary
 -- key, numbered in the claim's order.
 WITH given AS MATERIALIZED (
-    SELECT ARRAY(SELECT DISTINCT unnest(%(workflows)s::text[])) AS workflows, %(limit)s::int AS lim,
-           %(claims)s::uuid[] AS new_claims
+    SELECT %(workflows)s::text[] AS workflows, %(floors)s::timestamptz[] AS floors,
+           %(limit)s::int AS lim, %(claims)s::uuid[] AS new_claims
 ), pick AS (
     SELECT c.id, c.created_at, c.next_retry_at
-    FROM unnest((SELECT workflows FROM given)) AS w (name),
+    FROM unnest((SELECT workflows FROM given), (SELECT floors FROM given)) AS w (name, floor),
          LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
                   WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
                     AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AND next_retry_at <= now()
+                    AND next_retry_at >= coalesce(w.floor, '-infinity')
                   ORDER BY next_retry_at, created_at, id
                   LIMIT (SELECT lim FROM given)
                   FOR UPDATE SKIP LOCKED) AS c
@@ -267,7 +270,7 @@ WITH given AS MATERIALIZED (
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
@@ -312,7 +315,7 @@ WITH head AS (
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY t.seq;
@@ -438,7 +441,7 @@ WITH RECURSIVE limits AS (
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
 ORDER BY c.created_at, c.id, t.seq;
@@ -448,7 +451,7 @@ ORDER BY c.created_at, c.id, t.seq;
 SELECT c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
        c.current_seq, now(), c.sealed_for,
        extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-       c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+       c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
        t.output IS NOT NULL, t.output, t.failed_at
 FROM workflow_runs c JOIN workflow_tasks t ON t.run_id = c.id
 WHERE c.claim_id = ANY(%(claims)s::uuid[])
@@ -561,7 +564,7 @@ WITH given AS MATERIALIZED (
            %(seqs)s::smallint[] AS seqs, %(outputs)s::text[] AS outputs,
            %(next_seqs)s::smallint[] AS next_seqs, %(finishes)s::boolean[] AS finishes,
            %(wake_keys)s::boolean[] AS wake_keys,
-           ARRAY(SELECT DISTINCT unnest(%(workflows)s::text[])) AS workflows, %(limit)s::int AS lim,
+           %(workflows)s::text[] AS workflows, %(floors)s::timestamptz[] AS floors, %(limit)s::int AS lim,
            %(new_claims)s::uuid[] AS new_claims
 ), step AS (
     SELECT s.* FROM given,
@@ -595,10 +598,11 @@ WITH given AS MATERIALIZED (
     RETURNING t.run_id, run.claim_id, run.woke
 ), pick AS (
     SELECT c.id, c.created_at, c.next_retry_at
-    FROM unnest((SELECT workflows FROM given)) AS w (name),
+    FROM unnest((SELECT workflows FROM given), (SELECT floors FROM given)) AS w (name, floor),
          LATERAL (SELECT id, created_at, next_retry_at FROM workflow_runs
                   WHERE workflow = w.name AND num_nonnulls(claim_id, finished_at) = 0
                     AND (concurrency_key IS NULL OR key_slot IS NOT NULL) AND next_retry_at <= now()
+                    AND next_retry_at >= coalesce(w.floor, '-infinity')
                     AND (SELECT held FROM given) IS NOT NULL
                   ORDER BY next_retry_at, created_at, id
                   LIMIT (SELECT lim FROM given)
@@ -622,13 +626,13 @@ WITH given AS MATERIALIZED (
 (SELECT false, c.id, c.workflow, c.claim_id, c.input, c.input_sealed, c.context::text, c.context_sealed,
         c.current_seq, now(), c.sealed_for,
         extract(epoch FROM now() - greatest(c.created_at, c.next_retry_at))::float8,
-        c.traceparent, c.tracestate, c.concurrency_key, t.seq, t.name, t.skipped, t.attempts,
+        c.traceparent, c.tracestate, c.concurrency_key, c.next_retry_at, t.seq, t.name, t.skipped, t.attempts,
         t.output IS NOT NULL, t.output, t.failed_at
  FROM claimed c JOIN workflow_tasks t ON t.run_id = c.id
  ORDER BY c.created_at, c.id, t.seq)
 UNION ALL
 SELECT true, d.run_id, d.woke::text, d.claim_id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL,
-       NULL, NULL, NULL, NULL, NULL, NULL, NULL
+       NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 FROM done d;
 
 

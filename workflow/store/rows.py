@@ -41,7 +41,8 @@ class ClaimedRun:
     `waited` is how long it had been claimable when claimed, by the database
     clock (None on the fast path); `traceparent` and `tracestate` the span context
     of its start (W3C trace-context headers), when one was stored;
-    `concurrency_key` the digest of its key (SPEC 15), when it has one.
+    `concurrency_key` the digest of its key (SPEC 15), when it has one; `due_at` the
+    time it was due from (its `next_retry_at`; None on the fast path).
     """
 
     id: uuid.UUID
@@ -59,6 +60,7 @@ class ClaimedRun:
     traceparent: str | None = None
     tracestate: str | None = None
     concurrency_key: bytes | None = None
+    due_at: datetime.datetime | None = None
 
 
 @attrs.frozen
@@ -81,7 +83,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
     runs: list[ClaimedRun] = []
     tasks: list[TaskRow] = []
     for i, row in enumerate(rows):
-        tasks.append(TaskRow(*row[14:]))
+        tasks.append(TaskRow(*row[15:]))
         if i + 1 == len(rows) or rows[i + 1][0] != row[0]:
             runs.append(
                 ClaimedRun(
@@ -99,6 +101,7 @@ def claimed_runs(rows: Sequence[tuple[Any, ...]]) -> list[ClaimedRun]:
                     traceparent=row[11],
                     tracestate=row[12],
                     concurrency_key=row[13],
+                    due_at=row[14],
                     tasks=tuple(tasks),
                 )
             )
