@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -25,7 +26,7 @@ from psycopg_pool import ConnectionPool
 import workflow
 from workflow import Status
 from workflow.store import Store
-from workflow.store.floors import MARGIN, SPAN, Floors, floor_times
+from workflow.store.floors import FULL, MARGIN, SPAN, Floors, floor_times
 from workflow.store.rows import ClaimedRun
 
 
@@ -140,13 +141,14 @@ def test_the_completers_claim_starts_at_the_floor_and_moves_it(
     queued = backlog(db, 30)
     first = store.claim_runs(["W"], 10)
     late = add_runs(db, "W", [-3600.0])
+    clock.now += 0.6 * SPAN
     steps = [Store.step_params(run.id, run.claim_id, 1, None, 2) for run in first]
     answers, claimed = store.finish_runs(steps, ["W"], 10)
     assert answers == [True] * 10
     assert ids(claimed) == queued[10:20]
     assert claimed[0].due_at is not None
     assert floor_times(store.floors.of(["W"])) == [claimed[0].due_at - MARGIN]
-    clock.now += SPAN
+    clock.now += 0.6 * SPAN  # SPAN from the claim that read from the front, not from this
     steps = [Store.step_params(run.id, run.claim_id, 1, None, 2) for run in claimed]
     answers, claimed = store.finish_runs(steps, ["W"], 10)
     assert answers == [True] * 10
@@ -158,8 +160,8 @@ def test_a_run_committed_behind_a_draining_worker_is_not_left_behind(
 ) -> None:
     """A worker draining a backlog claims from its floors (on the real clock); a run
     committed meanwhile with a due time an hour old, before any floor, runs within about
-    `SPAN`, long before the backlog's end (about 2.5 s of sleeping handlers at least),
-    not at its end; every run runs once."""
+    `SPAN`, long before the backlog's end (2,000 handlers of 5 ms, four at once: 2.5 s at
+    the least), not at its end; every run runs once."""
     done: list[int] = []
     late: list[uuid.UUID] = []
     floored: list[bool] = []
@@ -168,7 +170,7 @@ def test_a_run_committed_behind_a_draining_worker_is_not_left_behind(
         done.append(run.input.n)
         if run.input.n == 0:  # the backlog's first run: commit the late one now
             late.extend(add_runs(db, "W", [-3600.0]))  # its input is {"n": 1}
-        db.execute("SELECT pg_sleep(0.005)")
+        time.sleep(0.005)
         return Out("ok")
 
     reg, wf = registry(workflow.handle(workflow.Task("a", Out), fn))
@@ -221,6 +223,26 @@ def claimed(*dues: tuple[str, datetime.datetime]) -> list[ClaimedRun]:
 T0 = datetime.datetime(2026, 12, 7, tzinfo=datetime.timezone.utc)
 
 
+def full(due: datetime.datetime) -> list[ClaimedRun]:
+    """A claim's `FULL` runs of W, the first due at `due`."""
+    return claimed(*[("W", due + datetime.timedelta(seconds=i)) for i in range(FULL)])
+
+
+def test_a_claim_of_fewer_than_full_runs_makes_no_floor(clock: Clock) -> None:
+    """A worker's completer claims as many runs as the finishes it carries, often one
+    under a light load: one run found for one asked says nothing of a backlog, and a run
+    committed late must not wait behind a floor then."""
+    floors = Floors(clock)
+    floors.claimed(["W"], [None], claimed(("W", T0)), 1)
+    floors.claimed(["W"], [None], full(T0)[: FULL - 1], FULL - 1)
+    assert floors.of(["W"]) == [None]
+    floors.claimed(["W"], [None], full(T0), FULL)
+    assert floor_times(floors.of(["W"])) == [T0 - MARGIN]
+    # Once a floor stands, a claim of one made from it moves it.
+    floors.claimed(["W"], floors.of(["W"]), claimed(("W", T0 + datetime.timedelta(hours=1))), 1)
+    assert floor_times(floors.of(["W"])) == [T0 + datetime.timedelta(hours=1) - MARGIN]
+
+
 def test_a_claim_made_from_a_floor_set_anew_meanwhile_neither_moves_it_nor_renews_it(
     clock: Clock,
 ) -> None:
@@ -229,16 +251,17 @@ def test_a_claim_made_from_a_floor_set_anew_meanwhile_neither_moves_it_nor_renew
     put its own later floor in the new one's place, nor give a floor a second it was not
     read from the front for."""
     floors = Floors(clock)
-    floors.claimed(["W"], [None], claimed(("W", T0)), 1)  # from the front: floor 1
+    floors.claimed(["W"], [None], full(T0), FULL)  # from the front: floor 1
     stale = floors.of(["W"])
     assert stale[0] is not None
     clock.now += SPAN
     fresh = floors.of(["W"])
     assert fresh == [None]  # expired: the next claim reads from the front
-    floors.claimed(["W"], fresh, claimed(("W", T0 + datetime.timedelta(seconds=1))), 1)
+    floors.claimed(["W"], fresh, full(T0 + datetime.timedelta(seconds=1)), FULL)
     renewed_at = clock.now
     # The claim made from floor 1, still on its way, comes back full, much further on.
-    floors.claimed(["W"], stale, claimed(("W", T0 + datetime.timedelta(hours=1))), 1)
+    clock.now += 0.5 * SPAN
+    floors.claimed(["W"], stale, full(T0 + datetime.timedelta(hours=1)), FULL)
     assert floor_times(floors.of(["W"])) == [T0 + datetime.timedelta(seconds=1) - MARGIN]
     clock.now = renewed_at + SPAN
     assert floors.of(["W"]) == [None]
@@ -246,8 +269,8 @@ def test_a_claim_made_from_a_floor_set_anew_meanwhile_neither_moves_it_nor_renew
 
 def test_a_claim_made_from_a_dropped_floor_does_not_make_one(clock: Clock) -> None:
     floors = Floors(clock)
-    floors.claimed(["W"], [None], claimed(("W", T0)), 1)
+    floors.claimed(["W"], [None], full(T0), FULL)
     stale = floors.of(["W"])
-    floors.claimed(["W"], stale, [], 1)  # short: dropped
-    floors.claimed(["W"], stale, claimed(("W", T0 + datetime.timedelta(seconds=1))), 1)
+    floors.claimed(["W"], stale, [], FULL)  # short: dropped
+    floors.claimed(["W"], stale, full(T0 + datetime.timedelta(seconds=1)), FULL)
     assert floors.of(["W"]) == [None]

@@ -8,24 +8,26 @@ claims otherwise cost about 0.1 ms (bench/README.md, "Where a drain's time goes,
 claims that start where the last ones left off").
 
 So while a process drains a backlog, its claims of a workflow start at a floor: the
-earliest due time among the runs its last full claim took, less `MARGIN`. (The 0.1 ms
+earliest due time among the runs its last full claim took, less `MARGIN`; only a claim
+from the front of at least `FULL` runs that took all it asked for makes one. (The 0.1 ms
 was measured with the scan bounded at the last claimed run's due time; the floor lies
-`MARGIN` earlier, over the entries of the runs drained in those 100 ms: about a
-thousand more at 10,000 jobs/s, some 0.05 ms at the 52 ns an entry measured. An
-estimate.) A run still claimable before the floor is one committed late (its
-transaction began before the floor and committed after), one whose claim was let go
-of without a new due time (a drain's release, a combined write's fallback), or one a
-claim skipped because another held its lock and then did not take it (a claim of
-several workflows locks up to `limit` of each; a claim that rolled back). Each waits
-at most about `SPAN` seconds more: a floor serves that long from the claim that read
-from the front and set it, then a claim reads from the front again, and a claim made
-from a floor that no longer stands (expired, dropped, or set anew meanwhile by another
-thread's claim) neither moves nor makes one. A claim that comes back short (fewer
-runs than asked for) drops the floors of its workflows: what is left may lie before
-them. Without a backlog every claim is short and reads from the front, as without
-floors; and where a backlog's runs were all due at one moment (started in one
-transaction, whose `now()` they share) the floor bounds nothing. No claim takes a run
-that is not claimable: a floor only narrows where a claim looks.
+`MARGIN` earlier, over the entries of the runs that fell due in those 100 ms: about a
+thousand more for a backlog started at 10,000 runs a second, some 0.05 ms at the 52 ns
+an entry measured. An estimate.) A run still claimable before the floor is one committed
+late (its transaction began before the floor and committed after), one whose claim was
+let go of without a new due time (a drain's release, a combined write's fallback), or
+one a claim skipped because another held its lock and then did not take it (a claim of
+several workflows locks up to `limit` of each; a claim that rolled back). Each waits at
+most about `SPAN` seconds more (and a claim statement's time): a floor serves that long
+from the claim that read from the front and set it, then a claim reads from the front
+again, and a claim made from a floor that no longer stands (expired, dropped, or set
+anew meanwhile by another thread's claim) neither moves nor makes one. A claim that
+comes back short (fewer runs than asked for) drops the floors of its workflows: what is
+left may lie before them. Without a backlog claims come back short or ask for fewer than
+`FULL` runs, and read from the front, as without floors; and where a backlog's runs were
+all due at one moment (started in one transaction, whose `now()` they share) the floor
+bounds nothing. No claim takes a run that is not claimable: a floor only narrows where a
+claim looks.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ SPAN = 1.0
 MARGIN = datetime.timedelta(milliseconds=100)
 """How far before the earliest due time of a full claim's runs the next claim starts: runs
 committed that much late are still taken in order."""
+
+FULL = 4
+"""How many runs a claim from the front must have asked for, and taken, to make a floor: a
+backlog's sign. A claim of one run that found one says nothing of a backlog (a worker's
+completer claims as many as the finishes it carries, often one under a light load)."""
 
 
 class Floors:
@@ -102,6 +109,8 @@ class Floors:
                 if due is None:
                     continue
                 if floor is None:  # read from the front: a floor of its own, for SPAN
+                    if limit < FULL:
+                        continue
                     self._made += 1
                     self._floors[workflow] = (due - MARGIN, now, self._made)
                     continue
