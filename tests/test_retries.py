@@ -24,6 +24,7 @@ from pgbouncer import runner_config
 
 import workflow
 from workflow import Status
+from workflow.events import ExecutionEnded
 
 # --- helpers -------------------------------------------------------------------------
 
@@ -436,15 +437,12 @@ def test_released_retry_runs_again_once_due(make_manager: Any, db: psycopg.Conne
     assert calls == [1, 2]
 
 
-
 def test_wait_without_time_left_kicks_a_due_retry_whose_failed_attempt_is_still_ending_here(
     make_manager: Any, db: psycopg.Connection[Any]
 ) -> None:
     """SPEC 9: `wait()` claims a run that is claimable now, `timeout=0` included. The
     failed attempt's claim is released before its execution here has ended; a wait in
     that window must not take the run for one still executing here and kick nothing."""
-    from workflow.events import ExecutionEnded
-
     calls: list[int] = []
     hold = threading.Event()
 
@@ -474,6 +472,7 @@ def test_wait_without_time_left_kicks_a_due_retry_whose_failed_attempt_is_still_
         hold.set()
     assert run.wait(timeout=30) is Status.SUCCEEDED
     assert calls == [1, 2]
+
 
 # --- invariant 3: the delay comes from the persisted attempt count -------------------
 

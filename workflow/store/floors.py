@@ -91,6 +91,8 @@ class Floors:
     ) -> None:
         """After a claim of up to `limit` runs of `workflows`, made from `used` (`of`),
         that took `runs`."""
+        if not self._floors and limit < FULL:  # nothing to drop or move, none to make
+            return
         if len(runs) < limit:  # what is left may lie before the floors: read from the front
             if self._floors:
                 with self._lock:
