@@ -239,8 +239,9 @@ def start_workers(url: str, db: str, procs: int, extra: list[str], listen: bool)
         env = dict(os.environ, PGAPPNAME=f"bench-worker-{i}", PYTHONPATH=REPO)
         popens.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdin=subprocess.DEVNULL))
     # Ready: every worker has claimed once, or read its next due time (its poller is
-    # up: both statements read its workflows one by one, `unnest(...) AS w (name)`),
-    # and, with LISTEN, its listener has subscribed.
+    # up: both statements read its workflows one by one, the claim's as
+    # `AS w (name, floor)` and next_due's as `AS w (name)`), and, with LISTEN, its
+    # listener has subscribed.
     deadline = time.monotonic() + 60
     with psycopg.connect(url, autocommit=True) as conn:
         while True:
@@ -248,7 +249,7 @@ def start_workers(url: str, db: str, procs: int, extra: list[str], listen: bool)
                 """
                 SELECT application_name,
                        bool_or(query LIKE 'LISTEN%%'),
-                       bool_or(query LIKE '%%AS w (name)%%')
+                       bool_or(query LIKE '%%AS w (name%%')
                 FROM pg_stat_activity WHERE datname = %s AND application_name LIKE 'bench-worker-%%'
                 GROUP BY application_name
                 """,
