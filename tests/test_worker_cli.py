@@ -8,6 +8,7 @@ raises, an unreachable database, an outdated schema or a thread that cannot star
 
 from __future__ import annotations
 
+import datetime
 import os
 import signal
 import subprocess
@@ -17,10 +18,13 @@ import time
 from typing import Any
 
 import pytest
+from helpers import Inp, Out, poll, registry
 from pgbouncer import ENABLED as PGBOUNCER
 from pgbouncer import worker_args
 from worker_apps.harness import ROOT, WorkerProcess
 
+import workflow
+from workflow import worker
 from workflow.store import SCHEMA_VERSION
 
 APP = "tests.worker_apps.three_tasks:registry"
@@ -89,6 +93,9 @@ def test_without_a_database_url_exits_2() -> None:
         ["--batch-size", "many"],
         ["--poll-interval", "-1"],
         ["--sweep-interval", "0"],
+        ["--prune-interval", "0"],
+        ["--keep-succeeded", "soon"],
+        ["--keep-parked", "-1d"],
         ["--unknown-flag"],
     ],
 )
@@ -420,3 +427,136 @@ def test_uninstall_after_the_previous_wakeup_fd_was_closed_still_closes_its_pipe
                 os.fstat(fd)
     finally:
         signal.set_wakeup_fd(before)
+
+
+# --- Pruning: the App's runner settings and the flags over them ----------------------
+
+
+def _finished_long_ago(make_manager: Any, pool: Any, db: Any) -> list[str]:
+    """Two succeeded runs and a cancelled one, all finished 400 days ago; the succeeded
+    ones' ids. Their workflow is not the worker's: pruning goes by status alone."""
+    reg, wf = registry(workflow.handle(workflow.Task("a", Out), lambda run: Out("done")))
+    mgr = make_manager(reg)
+    done = [wf.start(mgr, Inp(n)) for n in range(2)]
+    assert all(run.wait(timeout=10) is workflow.Status.SUCCEEDED for run in done)
+    with db.transaction():
+        waiting = wf.start_tx(db, mgr, Inp(9))
+    assert workflow.Admin(pool).cancel(waiting.id)
+    db.execute("UPDATE workflow_runs SET finished_at = now() - interval '400 days'")
+    return sorted(run.id for run in done)
+
+
+def _until_the_cancelled_run_is_pruned(app: str, engine_url: str, db: Any, *args: str) -> str:
+    """Run a worker of `app` with `args` until no cancelled run is left (its first prune
+    is made as it starts), then stop it; its start-up line."""
+    proc = WorkerProcess(app, engine_url, *worker_args(*args))
+    try:
+        started = proc.wait_for_line("workflow: worker started")
+        poll(db, "SELECT NOT EXISTS (SELECT FROM workflow_runs WHERE status = 'cancelled')")
+        proc.signal(signal.SIGTERM)
+        assert proc.wait() == 0, proc.stderr
+    finally:
+        proc.kill()
+    return started
+
+
+def _left(db: Any) -> list[tuple[str, str]]:
+    rows = db.execute("SELECT id::text, status FROM workflow_runs ORDER BY id").fetchall()
+    return [(run_id, status) for run_id, status in rows]
+
+
+def test_keep_succeeded_forever_keeps_what_the_default_would_prune(
+    engine_url: str, make_manager: Any, pool: Any, db: Any
+) -> None:
+    """Without the flag a succeeded run goes after 7 days. With `forever` the worker
+    keeps both, and its first prune (made as it starts) still deletes the cancelled run
+    past its default 30 days: the pass ran, and it kept the succeeded ones."""
+    succeeded = _finished_long_ago(make_manager, pool, db)
+    started = _until_the_cancelled_run_is_pruned(
+        APP, engine_url, db, "--keep-succeeded", "forever"
+    )
+    assert "prune=every 300s (succeeded kept, cancelled 30d, parked kept)" in started
+    assert _left(db) == [(run_id, "succeeded") for run_id in succeeded]
+
+
+def test_the_apps_runner_settings_apply_and_a_flag_overrides_the_field_it_names(
+    engine_url: str, make_manager: Any, pool: Any, db: Any
+) -> None:
+    """`objects:KEEPING` keeps succeeded and cancelled runs forever and runs 5 at once;
+    `--keep-cancelled 1d` replaces its cancelled retention alone."""
+    succeeded = _finished_long_ago(make_manager, pool, db)
+    started = _until_the_cancelled_run_is_pruned(
+        "tests.worker_apps.objects:KEEPING", engine_url, db, "--keep-cancelled", "1d"
+    )
+    assert "concurrency=5" in started
+    assert "prune=every 300s (succeeded kept, cancelled 1d, parked kept)" in started
+    assert _left(db) == [(run_id, "succeeded") for run_id in succeeded]
+
+
+@pytest.mark.parametrize(
+    ("args", "prune_enabled", "interval", "retention"),
+    [
+        ([], None, None, None),
+        (["--no-prune"], False, None, None),
+        (["--prune-interval", "60"], None, 60.0, None),
+        (
+            ["--keep-succeeded", "2w", "--keep-parked", "90d"],
+            None,
+            None,
+            workflow.Retention(
+                succeeded=datetime.timedelta(weeks=2),
+                cancelled=datetime.timedelta(days=30),
+                parked=datetime.timedelta(days=90),
+            ),
+        ),
+        (
+            ["--keep-cancelled", "FOREVER"],
+            None,
+            None,
+            workflow.Retention(cancelled=None),
+        ),
+    ],
+    ids=["none", "no-prune", "interval", "ages", "forever"],
+)
+def test_the_pruning_flags_set_the_runners_fields_and_leave_the_others(
+    args: list[str],
+    prune_enabled: bool | None,
+    interval: float | None,
+    retention: workflow.Retention | None,
+) -> None:
+    options = worker._parser().parse_args(["--app", APP, *args])
+    config = worker._runner_config(options, None)
+    assert config == workflow.RunnerConfig(
+        prune_enabled=prune_enabled, prune_interval=interval, retention=retention
+    )
+
+
+def test_the_flags_replace_the_apps_fields_and_keep_the_rest() -> None:
+    base = workflow.RunnerConfig(
+        concurrency=5,
+        sweep_enabled=False,
+        listen=False,
+        retention=workflow.Retention(succeeded=None, cancelled=None),
+    )
+    options = worker._parser().parse_args(
+        ["--app", APP, "--concurrency", "7", "--keep-cancelled", "1d"]
+    )
+    assert worker._runner_config(options, base) == workflow.RunnerConfig(
+        concurrency=7,
+        sweep_enabled=False,
+        listen=False,
+        retention=workflow.Retention(succeeded=None, cancelled=datetime.timedelta(days=1)),
+    )
+
+
+def test_no_prune_leaves_the_runnable_without_a_pruner(make_manager: Any) -> None:
+    reg, _ = registry(workflow.handle(workflow.Task("a", Out), lambda run: Out("done")))
+    mgr = make_manager(reg)
+    assert mgr.new_runnable(workflow.RunnerConfig(prune_enabled=False)).pruner is None
+    assert mgr.new_runnable(workflow.RunnerConfig()).pruner is not None
+
+
+def test_an_app_whose_runner_is_not_a_runner_config_is_refused() -> None:
+    reg, _ = registry(workflow.handle(workflow.Task("a", Out), lambda run: Out("")))
+    with pytest.raises(TypeError, match="runner"):
+        workflow.App(reg, runner={"concurrency": 5})  # type: ignore[arg-type]

@@ -9,7 +9,9 @@ the user can act on failed (`CommandFailed`), 2 for a usage error
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
+import re
 import sys
 from collections.abc import Callable
 from typing import NoReturn
@@ -33,6 +35,25 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{self.prog}: {message} (see --help)")
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+
+
+def is_span(text: str) -> bool:
+    """Whether `text` is a duration as `parse_span` reads it."""
+    return _SPAN.match(text) is not None
+
+
+def parse_span(text: str) -> datetime.timedelta:
+    """`90s`, `30m`, `24h`, `7d`, `2w` as a timedelta; `argparse.ArgumentTypeError` otherwise."""
+    match = _SPAN.match(text)
+    if match is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration like 90s, 30m, 24h, 7d or 2w"
+        )
+    return datetime.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
 
 
 def add_database_url(parser: argparse.ArgumentParser, help: str | None = None) -> None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import re
 import sys
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -29,30 +28,18 @@ from typing import Any
 import attrs
 from attrs import AttrsInstance
 
-from workflow._cli import CommandFailed, Parser, UsageError, database_url
+from workflow._cli import CommandFailed, Parser, UsageError, database_url, is_span, parse_span
 from workflow.admin import Admin, RunDetail, RunSummary
 from workflow.errors import NotResumable, RunNotFound, ScheduleNotFound, WorkflowError
 from workflow.run import Status
 
 PROG = "python -m workflow"
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_SPAN = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
-
-
-def parse_span(text: str) -> datetime.timedelta:
-    """`90s`, `30m`, `24h`, `7d`, `2w` as a timedelta; `argparse.ArgumentTypeError` otherwise."""
-    match = _SPAN.match(text)
-    if match is None:
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a duration like 90s, 30m, 24h, 7d or 2w"
-        )
-    return datetime.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
 
 
 def parse_when(text: str) -> datetime.datetime | datetime.timedelta:
     """A span (that long ago) or an ISO 8601 time (UTC when it names no offset)."""
-    if _SPAN.match(text):
+    if is_span(text):
         return parse_span(text)
     try:
         when = datetime.datetime.fromisoformat(text.strip())

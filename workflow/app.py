@@ -18,7 +18,7 @@ from typing import Any
 
 import attrs
 
-from workflow.config import Config
+from workflow.config import Config, RunnerConfig
 from workflow.definition import Registry
 from workflow.errors import WorkflowError
 from workflow.store.connections import one_line
@@ -26,15 +26,22 @@ from workflow.store.connections import one_line
 
 @attrs.frozen
 class App:
-    """What a worker's `--app` factory may return when workers need a `Config`.
+    """What a worker's `--app` factory may return when workers need more than a registry.
 
-    `registry` is required; `config` (cipher, propagator, timeouts) and `logger`
+    `registry` is required. `config` (cipher, propagator, timeouts) and `logger`
     are optional, so workers run with the same settings as the web processes.
+    `runner` is the worker's own `RunnerConfig` (concurrency, polling, sweeping,
+    pruning and retention), kept in code beside the registry; the worker command's
+    flags override the fields they name.
     """
 
     registry: Registry
     config: Config | None = None
     logger: logging.Logger | None = None
+    runner: RunnerConfig | None = attrs.field(
+        default=None,
+        validator=attrs.validators.optional(attrs.validators.instance_of(RunnerConfig)),
+    )
 
 
 class AppNotFound(WorkflowError, ValueError):

@@ -2,13 +2,22 @@
 
     python -m workflow.worker --app PACKAGE.MODULE:FACTORY [--database-url URL]
         [--concurrency N] [--batch-size N] [--poll-interval S] [--no-sweep]
-        [--sweep-interval S] [--no-listen] [--log-level LEVEL]
-        [--metrics-port PORT [--metrics-host HOST]]
+        [--sweep-interval S] [--no-listen] [--no-prune] [--prune-interval S]
+        [--keep-succeeded AGE] [--keep-cancelled AGE] [--keep-parked AGE]
+        [--log-level LEVEL] [--metrics-port PORT [--metrics-host HOST]]
 
 `FACTORY` is a callable returning a `workflow.Registry` or a `workflow.App`
-(registry, config, logger), or such an object itself (`workflow.app.load_app`).
-It is imported and called here, in the worker process, after the current
-directory is put on `sys.path`. The URL defaults to `$WORKFLOW_DATABASE_URL`.
+(registry, config, logger, runner), or such an object itself
+(`workflow.app.load_app`). It is imported and called here, in the worker process,
+after the current directory is put on `sys.path`. The URL defaults to
+`$WORKFLOW_DATABASE_URL`.
+
+The runnable's settings are the App's `runner` (a `RunnerConfig`; every default
+without one), with each flag given replacing the field it names. The worker prunes
+finished runs by default (`workflow.Retention`: succeeded after 7 days, cancelled
+after 30, parked kept): `--keep-succeeded`, `--keep-cancelled` and `--keep-parked`
+take an age (`90s`, `30m`, `24h`, `7d`, `2w`) or `forever`, and `--no-prune` turns
+pruning off in this worker.
 
 The worker builds a `Manager` over a pool of its own and runs one `Runnable` until
 SIGTERM or SIGINT, which drains it (runnable.py says what a drain does) and exits
@@ -36,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import logging
 import os
 import select
@@ -46,6 +56,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
+import attrs
 import psycopg
 
 from workflow._cli import (
@@ -54,10 +65,12 @@ from workflow._cli import (
     UsageError,
     add_database_url,
     database_url,
+    parse_span,
     run,
 )
 from workflow.app import App, AppFailed, AppNotFound, load_app, parse_spec
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
+from workflow.durations import seconds
 from workflow.errors import ThreadNotStarted, WorkflowError
 from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
@@ -110,6 +123,17 @@ def _positive_seconds(text: str) -> float:
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
     return value
+
+
+_UNSET: Any = object()
+"""A `--keep-*` flag not given (None is `forever`)."""
+
+
+def _retention_age(text: str) -> datetime.timedelta | None:
+    """An age as `parse_span` reads it, or None for `forever`."""
+    if text.strip().lower() == "forever":
+        return None
+    return parse_span(text)
 
 
 def _port(text: str) -> int:
@@ -192,6 +216,29 @@ def add_arguments(
             "transaction-mode pooler such as PgBouncer)"
         ),
     )
+    parser.add_argument(
+        "--no-prune",
+        dest="prune",
+        action="store_false",
+        default=None,
+        help="do not delete finished runs past their retention (another worker, or "
+        "`python -m workflow prune`, must)",
+    )
+    parser.add_argument(
+        "--prune-interval",
+        type=_positive_seconds,
+        metavar="S",
+        help="seconds between prunes of finished runs (300)",
+    )
+    for status, default in (("succeeded", "7d"), ("cancelled", "30d"), ("parked", "forever")):
+        parser.add_argument(
+            f"--keep-{status}",
+            type=_retention_age,
+            default=_UNSET,
+            metavar="AGE",
+            help=f"how long a {status} run is kept before it is pruned: 90s, 30m, 24h, 7d, "
+            f"2w or forever ({default})",
+        )
     parser.add_argument(
         "--log-level",
         type=_log_level,
@@ -348,23 +395,56 @@ def handling_signals() -> Iterator[Signals]:
 # The worker.
 
 
-def _runner_config(options: argparse.Namespace) -> RunnerConfig:
-    return RunnerConfig(
-        poll_interval=options.poll_interval,
-        batch_size=options.batch_size,
-        concurrency=options.concurrency,
-        sweep_enabled=options.sweep,
-        sweep_interval=options.sweep_interval,
-        listen=options.listen,
-    )
+def _runner_config(options: argparse.Namespace, base: RunnerConfig | None) -> RunnerConfig:
+    """`base` (the App's `runner`, or every default) with each flag given in its place."""
+    config = base or RunnerConfig()
+    given = {
+        "poll_interval": options.poll_interval,
+        "batch_size": options.batch_size,
+        "concurrency": options.concurrency,
+        "sweep_interval": options.sweep_interval,
+        "prune_interval": options.prune_interval,
+        # store_false flags: None when not given (the --no-listen and --no-sweep
+        # defaults are True, which is also RunnerConfig's).
+        "sweep_enabled": None if options.sweep else False,
+        "listen": None if options.listen else False,
+        "prune_enabled": options.prune,
+    }
+    kept = {
+        status: age
+        for status in ("succeeded", "cancelled", "parked")
+        if (age := getattr(options, f"keep_{status}")) is not _UNSET
+    }
+    if kept:
+        given["retention"] = attrs.evolve(
+            RunnerSettings.of(config).retention, **kept
+        )
+    return attrs.evolve(config, **{k: v for k, v in given.items() if v is not None})
+
+
+def _age(value: object) -> str:
+    if value is None:
+        return "kept"
+    age = seconds(value, "age")  # a Duration: Retention checked it
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if age >= size and age % size == 0:
+            return f"{age / size:g}{unit}"
+    return f"{age:g}s"
 
 
 def _describe(config: RunnerConfig, app: App) -> str:
     s = RunnerSettings.of(config)
     sweep = f"every {s.sweep_interval:g}s" if s.sweep_enabled else "off"
+    kept = s.retention
+    prune = (
+        f"every {s.prune_interval:g}s (succeeded {_age(kept.succeeded)}, cancelled "
+        f"{_age(kept.cancelled)}, parked {_age(kept.parked)})"
+        if s.prune_enabled
+        else "off"
+    )
     return (
         f"concurrency={s.concurrency}, batch_size={s.batch_size}, "
-        f"poll_interval={s.poll_interval:g}s, sweep={sweep}, "
+        f"poll_interval={s.poll_interval:g}s, sweep={sweep}, prune={prune}, "
         f"listen={'on' if s.listen else 'off'}, pid={os.getpid()}, "
         f"workflows={', '.join(app.registry.names())}"
     )
@@ -429,7 +509,7 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
     app = options.app if isinstance(options.app, App) else _load(options.app)
     _configure_logging(options.log_level)
     _check_database(url)
-    runner_config = _runner_config(options)
+    runner_config = _runner_config(options, app.runner)
     config = app.config or Config()
     pool = make_pool(
         url, max_size=Settings.of(config).pool_size, prepared=bool(options.listen)
