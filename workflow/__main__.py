@@ -162,8 +162,9 @@ def _parser() -> Parser:
         parents=[database],
         help="run a small Transfer workflow end to end and print each step",
         description=(
-            "Run four Transfer runs (a success, a retry, a parked failure, a run resumed by "
-            "a worker) and print each step as it happens. Uses a scratch database on the "
+            "Run five Transfer runs (a success, a retry, a parked failure a person resumes, "
+            "a cancellation, a run a worker finishes) and print each step as it happens. "
+            "Uses a scratch database on the "
             "given server when allowed; without a URL, a private embedded PostgreSQL "
             "(pip install 'pgworkflow[embedded]')."
         ),

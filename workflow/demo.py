@@ -1,14 +1,16 @@
-"""`python -m workflow demo`: four Transfer runs, narrated step by step.
+"""`python -m workflow demo`: five Transfer runs, narrated step by step.
 
 A Transfer workflow (`transfer.reserve`, then `transfer.send`) with a fake
-payment provider, and four runs:
+payment provider, and five runs:
 
 1. one that succeeds, executed on the fast path (in this process, right after
    the insert);
 2. one whose `send` fails once and is retried after a short backoff;
 3. one the provider rejects: a permanent, coded failure parks it, and its
-   `Failure` is printed;
-4. one enqueued with `start_tx` inside a caller's transaction on a thread that
+   `Failure` is printed; a person then fixes the provider and resumes it with
+   `workflow.Admin`;
+4. one cancelled while its `send` runs;
+5. one enqueued with `start_tx` inside a caller's transaction on a thread that
    then ends, and resumed by a real `python -m workflow.worker` process.
 
 Handlers print what they do, and the engine's own log records (retries,
