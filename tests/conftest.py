@@ -41,6 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
         "connection); skipped when the engine runs behind PgBouncer "
         "($WORKFLOW_TEST_PGBOUNCER)",
     )
+    config.addinivalue_line(
+        "markers",
+        "behind_pgbouncer: says something only with the engine behind PgBouncer "
+        "($WORKFLOW_TEST_PGBOUNCER); deselected otherwise, not skipped",
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -55,8 +60,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session."""
+    """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session;
+    otherwise deselect those marked `behind_pgbouncer` (a skip would fail a CI run)."""
     if not ENABLED:
+        away = [item for item in items if item.get_closest_marker("behind_pgbouncer")]
+        if away:
+            config.hook.pytest_deselected(items=away)
+            items[:] = [item for item in items if item not in away]
         return
     for item in items:
         marker = item.get_closest_marker("direct")

@@ -192,3 +192,24 @@ def test_workflow_worker_finishes_a_run_left_in_the_tables(project_db: str) -> N
             worker.kill()
     assert "workflow: worker stopped" in worker.output
     assert "sent transfer 7 against hold-7" in worker.output
+
+
+def test_the_worker_app_keeps_the_registrys_runner_when_the_setting_names_a_config() -> None:
+    """`WORKFLOW["CONFIG"]` with a REGISTRY that is a `workflow.App` with a `runner`:
+    `manage.py workflow_worker`'s default app keeps that runner (concurrency 5, its
+    retention) beside the setting's Config."""
+    code = (
+        "import django, workflow\n"
+        "from django.conf import settings\n"
+        "settings.configure(WORKFLOW={'REGISTRY': 'tests.worker_apps.objects:KEEPING',\n"
+        "                             'CONFIG': workflow.Config(sweep_max_age=120)})\n"
+        "django.setup()\n"
+        "from workflow.contrib.django import conf\n"
+        "app = conf.app()\n"
+        "print(app.runner.concurrency, app.runner.retention.succeeded, app.config.sweep_max_age)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["5", "None", "120"]

@@ -95,7 +95,11 @@ def test_without_a_database_url_exits_2() -> None:
         ["--sweep-interval", "0"],
         ["--prune-interval", "0"],
         ["--keep-succeeded", "soon"],
-        ["--keep-parked", "-1d"],
+        ["--keep-parked=-1d"],
+        ["--keep-succeeded", "20000w"],
+        ["--keep-succeeded", "99999999999d"],
+        ["--no-prune", "--keep-cancelled", "1d"],
+        ["--no-prune", "--prune-interval", "60"],
         ["--unknown-flag"],
     ],
 )
@@ -255,6 +259,7 @@ def test_the_start_up_line_shows_the_options(engine_url: str) -> None:
         "2.5",
         "--no-sweep",
         "--no-listen",
+        "--no-prune",
     )
     try:
         started = worker.wait_for_line("workflow: worker started")
@@ -263,6 +268,7 @@ def test_the_start_up_line_shows_the_options(engine_url: str) -> None:
             "batch_size=3",
             "poll_interval=2.5s",
             "sweep=off",
+            "prune=off",
             "listen=off",
             "Ledger.Three",
             f"pid={worker.pid}",
@@ -441,7 +447,7 @@ def _finished_long_ago(make_manager: Any, pool: Any, db: Any) -> list[str]:
     assert all(run.wait(timeout=10) is workflow.Status.SUCCEEDED for run in done)
     with db.transaction():
         waiting = wf.start_tx(db, mgr, Inp(9))
-    assert workflow.Admin(pool).cancel(waiting.id)
+    assert workflow.Admin(pool).cancel(waiting.id).status is workflow.Status.CANCELLED
     db.execute("UPDATE workflow_runs SET finished_at = now() - interval '400 days'")
     return sorted(run.id for run in done)
 
@@ -475,7 +481,7 @@ def test_keep_succeeded_forever_keeps_what_the_default_would_prune(
     started = _until_the_cancelled_run_is_pruned(
         APP, engine_url, db, "--keep-succeeded", "forever"
     )
-    assert "prune=every 300s (succeeded kept, cancelled 30d, parked kept)" in started
+    assert "prune=every 300s (succeeded forever, cancelled 30d, parked forever)" in started
     assert _left(db) == [(run_id, "succeeded") for run_id in succeeded]
 
 
@@ -489,7 +495,7 @@ def test_the_apps_runner_settings_apply_and_a_flag_overrides_the_field_it_names(
         "tests.worker_apps.objects:KEEPING", engine_url, db, "--keep-cancelled", "1d"
     )
     assert "concurrency=5" in started
-    assert "prune=every 300s (succeeded kept, cancelled 1d, parked kept)" in started
+    assert "prune=every 300s (succeeded forever, cancelled 1d, parked forever)" in started
     assert _left(db) == [(run_id, "succeeded") for run_id in succeeded]
 
 
@@ -560,3 +566,17 @@ def test_an_app_whose_runner_is_not_a_runner_config_is_refused() -> None:
     reg, _ = registry(workflow.handle(workflow.Task("a", Out), lambda run: Out("")))
     with pytest.raises(TypeError, match="runner"):
         workflow.App(reg, runner={"concurrency": 5})  # type: ignore[arg-type]
+
+
+def test_options_given_as_strings_by_call_command_are_read_as_the_flags_are() -> None:
+    """Django's `call_command("workflow_worker", keep_succeeded="2w")` hands options over
+    unconverted: an age is still read as `--keep-succeeded 2w` reads it, and a bad one
+    is a usage error."""
+    options = worker._parser().parse_args(["--app", APP])
+    options.keep_succeeded = "2w"
+    assert worker._runner_config(options, None) == workflow.RunnerConfig(
+        retention=workflow.Retention(succeeded=datetime.timedelta(weeks=2))
+    )
+    options.keep_succeeded = "soon"
+    with pytest.raises(worker.UsageError, match="--help"):
+        worker._runner_config(options, None)

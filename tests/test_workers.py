@@ -27,6 +27,7 @@ import workflow
 
 THREE = "tests.worker_apps.three_tasks:registry"
 THREE_QUICK_SWEEP = "tests.worker_apps.three_tasks:quick_sweep_app"
+THREE_POLL_ONLY = "tests.worker_apps.three_tasks:poll_only_app"
 BACKOFF = "tests.worker_apps.backoff:registry"
 
 Spawn = Callable[..., WorkerProcess]
@@ -104,6 +105,28 @@ def db_now(db: psycopg.Connection[Any]) -> datetime.datetime:
     row = db.execute("SELECT now()").fetchone()
     assert row is not None
     return row[0]  # type: ignore[no-any-return]
+
+
+# --- An App's runner without LISTEN, behind PgBouncer -----------------------------------
+
+
+@pytest.mark.behind_pgbouncer
+def test_an_apps_runner_without_listen_prepares_no_statements_behind_pgbouncer(
+    ledger: psycopg.Connection[Any], engine_url: str, make_manager: Any, pool: Any
+) -> None:
+    """SPEC 6: behind a transaction-mode pooler the pool needs `prepare_threshold=None`
+    (PgBouncer before 1.21 cannot carry server-side prepared statements). A runner that
+    says `listen=False` is that setting, with no `--no-listen` flag given."""
+    worker = WorkerProcess(THREE_POLL_ONLY, engine_url)  # no worker_args(): no flag
+    try:
+        assert "listen=off" in worker.wait_for_line("workflow: worker started")
+        [run_id] = start_runs(
+            make_manager, three_tasks.registry(), three_tasks.Three, [three_tasks.Plan()], pool
+        )
+        wait_status(ledger, run_id, "succeeded", timeout=30)
+        assert "Traceback" not in worker.stderr, worker.stderr
+    finally:
+        worker.kill()
 
 
 # --- (a) Many runs, three workers: exactly once ----------------------------------------

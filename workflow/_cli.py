@@ -53,7 +53,10 @@ def parse_span(text: str) -> datetime.timedelta:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not a duration like 90s, 30m, 24h, 7d or 2w"
         )
-    return datetime.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    try:
+        return datetime.timedelta(seconds=float(match[1]) * _UNITS[match[2]])
+    except OverflowError:
+        raise argparse.ArgumentTypeError(f"{text!r} is longer than a duration may be") from None
 
 
 def add_database_url(parser: argparse.ArgumentParser, help: str | None = None) -> None:

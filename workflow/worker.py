@@ -17,7 +17,8 @@ without one), with each flag given replacing the field it names. The worker prun
 finished runs by default (`workflow.Retention`: succeeded after 7 days, cancelled
 after 30, parked kept): `--keep-succeeded`, `--keep-cancelled` and `--keep-parked`
 take an age (`90s`, `30m`, `24h`, `7d`, `2w`) or `forever`, and `--no-prune` turns
-pruning off in this worker.
+pruning off in this worker. A `--no-...` flag turns off what the runner turned on;
+nothing here turns on what the runner turned off.
 
 The worker builds a `Manager` over a pool of its own and runs one `Runnable` until
 SIGTERM or SIGINT, which drains it (runnable.py says what a drain does) and exits
@@ -32,9 +33,10 @@ extra) at `http://HOST:PORT/metrics`, on 127.0.0.1 unless `--metrics-host` says
 otherwise (`0.0.0.0` in a container whose port is scraped from outside); port 0
 takes a free port, named in the log line "metrics at ...".
 
-`--no-listen` is for a transaction-mode pooler (PgBouncer): it also turns off
-psycopg's server-side prepared statements (`prepare_threshold=None`), which
-PgBouncer before 1.21 cannot carry from one server connection to the next.
+`--no-listen` (or an App's runner with `listen=False`) is for a transaction-mode
+pooler (PgBouncer): it also turns off psycopg's server-side prepared statements
+(`prepare_threshold=None`), which PgBouncer before 1.21 cannot carry from one
+server connection to the next.
 
 Another command can wrap this one (Django's `manage.py workflow_worker` does):
 `add_arguments(parser)` adds these options to its parser, and `serve(options,
@@ -71,7 +73,7 @@ from workflow._cli import (
 from workflow.app import App, AppFailed, AppNotFound, load_app, parse_spec
 from workflow.config import Config, RunnerConfig, RunnerSettings, Settings
 from workflow.durations import seconds
-from workflow.errors import ThreadNotStarted, WorkflowError
+from workflow.errors import ConfigError, ThreadNotStarted, WorkflowError
 from workflow.logs import ALERT, EngineLog
 from workflow.manager import Manager
 from workflow.store import SCHEMA_VERSION, SchemaOutdated, schema_version
@@ -396,40 +398,53 @@ def handling_signals() -> Iterator[Signals]:
 
 
 def _runner_config(options: argparse.Namespace, base: RunnerConfig | None) -> RunnerConfig:
-    """`base` (the App's `runner`, or every default) with each flag given in its place."""
+    """`base` (the App's `runner`, or every default) with each flag given in its place.
+
+    A `--no-...` flag turns off what `base` turned on; nothing here turns on what
+    `base` turned off. `UsageError` for pruning settings beside `--no-prune`, and for
+    settings `RunnerConfig` refuses (an age longer than a duration may be)."""
     config = base or RunnerConfig()
+    try:
+        kept = {
+            status: _retention_age(age) if isinstance(age, str) else age  # call_command's
+            for status in ("succeeded", "cancelled", "parked")
+            if (age := getattr(options, f"keep_{status}")) is not _UNSET
+        }
+    except argparse.ArgumentTypeError as exc:
+        raise UsageError(f"{PROG}: {exc} (see --help)") from None
+    if options.prune is False and (kept or options.prune_interval is not None):
+        raise UsageError(
+            f"{PROG}: --no-prune turns pruning off: --prune-interval and --keep-... "
+            "would do nothing (see --help)"
+        )
     given = {
         "poll_interval": options.poll_interval,
         "batch_size": options.batch_size,
         "concurrency": options.concurrency,
         "sweep_interval": options.sweep_interval,
         "prune_interval": options.prune_interval,
-        # store_false flags: None when not given (the --no-listen and --no-sweep
-        # defaults are True, which is also RunnerConfig's).
-        "sweep_enabled": None if options.sweep else False,
-        "listen": None if options.listen else False,
-        "prune_enabled": options.prune,
+        # The --no-... flags: False when given, else left to `base`.
+        "sweep_enabled": None if options.sweep is not False else False,
+        "listen": None if options.listen is not False else False,
+        "prune_enabled": None if options.prune is not False else False,
     }
-    kept = {
-        status: age
-        for status in ("succeeded", "cancelled", "parked")
-        if (age := getattr(options, f"keep_{status}")) is not _UNSET
-    }
-    if kept:
-        given["retention"] = attrs.evolve(
-            RunnerSettings.of(config).retention, **kept
-        )
-    return attrs.evolve(config, **{k: v for k, v in given.items() if v is not None})
+    try:
+        if kept:
+            given["retention"] = attrs.evolve(RunnerSettings.of(config).retention, **kept)
+        return attrs.evolve(config, **{k: v for k, v in given.items() if v is not None})
+    except ConfigError as exc:
+        raise UsageError(f"{PROG}: {exc} (see --help)") from None
 
 
 def _age(value: object) -> str:
+    """A retention age as the start-up line shows it: `7d`, `36h`, `90s`, or `forever`."""
     if value is None:
-        return "kept"
+        return "forever"
     age = seconds(value, "age")  # a Duration: Retention checked it
     for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
         if age >= size and age % size == 0:
-            return f"{age / size:g}{unit}"
-    return f"{age:g}s"
+            return f"{age / size:.0f}{unit}"
+    return f"{age:.0f}s" if age >= 1000 else f"{age:g}s"
 
 
 def _describe(config: RunnerConfig, app: App) -> str:
@@ -507,13 +522,14 @@ def serve(options: argparse.Namespace, signals: Signals) -> int:
     """
     url = database_url(options.database_url, PROG)
     app = options.app if isinstance(options.app, App) else _load(options.app)
+    runner_config = _runner_config(options, app.runner)
     _configure_logging(options.log_level)
     _check_database(url)
-    runner_config = _runner_config(options, app.runner)
     config = app.config or Config()
-    pool = make_pool(
-        url, max_size=Settings.of(config).pool_size, prepared=bool(options.listen)
-    )
+    # Without LISTEN the worker may be behind a transaction-mode pooler: no
+    # server-side prepared statements either (whether the flag or the App said so).
+    prepared = RunnerSettings.of(runner_config).listen
+    pool = make_pool(url, max_size=Settings.of(config).pool_size, prepared=prepared)
     try:
         open_pool(pool, 30.0)
         manager = Manager(pool, app.registry, app.config, logger=app.logger)

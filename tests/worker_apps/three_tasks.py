@@ -90,3 +90,9 @@ QUICK_SWEEP = workflow.Config(
 def quick_sweep_app() -> workflow.App:
     """`Three` with `QUICK_SWEEP`, so a killed worker's claim is swept within seconds."""
     return workflow.App(registry(), config=QUICK_SWEEP)
+
+
+def poll_only_app() -> workflow.App:
+    """`Three` with a runner that does not LISTEN (what a worker behind a
+    transaction-mode pooler runs), polling every 0.2 s; no flag says so."""
+    return workflow.App(registry(), runner=workflow.RunnerConfig(listen=False, poll_interval=0.2))

@@ -22,6 +22,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
+import attrs
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 from django.db import connections
@@ -136,7 +137,7 @@ def app() -> App:
             f'settings.{SETTING}["CONFIG"] is set and {spec!r} returned a workflow.App with '
             "its own config: keep the Config in one place"
         )
-    return App(resolved.registry, config, resolved.logger)
+    return attrs.evolve(resolved, config=config)
 
 
 def connection_settings(alias: str) -> tuple[str, dict[str, Any]]:
