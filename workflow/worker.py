@@ -267,7 +267,9 @@ def _parser() -> Parser:
         prog=PROG,
         description=(
             "Run one pgworkflow worker: claim runs left in the tables, execute them, sweep "
-            "stale claims. SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
+            "stale claims, prune old finished runs. Each flag replaces the setting it names "
+            "in the app's runner (a workflow.App's RunnerConfig), whose defaults are shown. "
+            "SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
         ),
     )
     add_arguments(parser)
