@@ -185,6 +185,7 @@ def test_stats_is_a_table_and_json(
         (["runs", "list", "--status", "lost"], "unknown status 'lost'"),
         (["runs", "list", "--since", "yesterday"], "neither a duration"),
         (["prune", "--older-than", "7 days"], "not a duration"),
+        (["prune", "--older-than", "99999999999d"], "longer than a duration may be"),
         (["runs", "list", "--limit", "0"], "--limit"),
         (["runs", "list", "--workflow"], "expected one argument"),
     ],

@@ -97,6 +97,7 @@ def test_without_a_database_url_exits_2() -> None:
         ["--keep-succeeded", "soon"],
         ["--keep-parked=-1d"],
         ["--keep-succeeded", "20000w"],
+        ["--poll-interval", "1e300"],
         ["--keep-succeeded", "99999999999d"],
         ["--no-prune", "--keep-cancelled", "1d"],
         ["--no-prune", "--prune-interval", "60"],

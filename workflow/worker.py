@@ -515,9 +515,10 @@ def _cannot_start(exc: BaseException) -> CommandFailed:
 def serve(options: argparse.Namespace, signals: Signals) -> int:
     """Run the worker the options of `add_arguments` describe, until `signals` get one.
 
-    Loads the app, checks the database, builds a Manager over a pool of its own
-    and runs one Runnable; on the first signal drains it and returns 0. Raises
-    `UsageError` (exit 2: a bad `--app`, no database URL) and `CommandFailed`
+    Loads the app, merges the flags over its runner settings, checks the database,
+    builds a Manager over a pool of its own and runs one Runnable; on the first
+    signal drains it and returns 0. Raises `UsageError` (exit 2: a bad `--app`, no
+    database URL, runner settings that `RunnerConfig` refuses) and `CommandFailed`
     (exit 1: an application that fails to load, an unreachable database, an
     outdated schema, a config the manager refuses, a thread that cannot start),
     each one line.

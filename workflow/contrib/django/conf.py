@@ -104,7 +104,7 @@ def _resolve(spec: str, what: str) -> Any:
 
 
 def app() -> App:
-    """The registry, config and logger the `WORKFLOW` setting names.
+    """The App the `WORKFLOW` setting names: its registry, config, logger and runner.
 
     Also the worker's default `--app` (`workflow.contrib.django.conf:app`).
     Raises `ImproperlyConfigured` with the fix when the setting is off.

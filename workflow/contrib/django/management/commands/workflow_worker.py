@@ -19,8 +19,9 @@ DEFAULT_APP = "workflow.contrib.django:workflow_app"
 class Command(BaseCommand):
     help = (
         "Run one pgworkflow worker: claim runs left in the tables, execute them, sweep "
-        "stale claims. Takes the options of `python -m workflow.worker`; --app defaults to "
-        "settings.WORKFLOW, --database-url to the database of WORKFLOW['DATABASE_ALIAS']. "
+        "stale claims, prune old finished runs. Takes the options of "
+        "`python -m workflow.worker`; --app defaults to settings.WORKFLOW, --database-url "
+        "to the database of WORKFLOW['DATABASE_ALIAS']. "
         "SIGTERM or SIGINT drains and exits 0; a second signal exits at once."
     )
 
