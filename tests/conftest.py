@@ -63,10 +63,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session;
     otherwise deselect those marked `behind_pgbouncer` (a skip would fail a CI run)."""
     if not ENABLED:
-        away = [item for item in items if item.get_closest_marker("behind_pgbouncer")]
+        kept: list[pytest.Item] = []
+        away: list[pytest.Item] = []
+        for item in items:
+            (away if item.get_closest_marker("behind_pgbouncer") else kept).append(item)
         if away:
             config.hook.pytest_deselected(items=away)
-            items[:] = [item for item in items if item not in away]
+            items[:] = kept
         return
     for item in items:
         marker = item.get_closest_marker("direct")

@@ -36,7 +36,6 @@ from workflow.run import Status
 PROG = "python -m workflow"
 
 
-
 def parse_when(text: str) -> datetime.datetime | datetime.timedelta:
     """A span (that long ago) or an ISO 8601 time (UTC when it names no offset)."""
     if is_span(text):

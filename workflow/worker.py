@@ -426,9 +426,9 @@ def _runner_config(options: argparse.Namespace, base: RunnerConfig | None) -> Ru
         "sweep_interval": options.sweep_interval,
         "prune_interval": options.prune_interval,
         # The --no-... flags: False when given, else left to `base`.
-        "sweep_enabled": None if options.sweep is not False else False,
-        "listen": None if options.listen is not False else False,
-        "prune_enabled": None if options.prune is not False else False,
+        "sweep_enabled": False if options.sweep is False else None,
+        "listen": False if options.listen is False else None,
+        "prune_enabled": False if options.prune is False else None,
     }
     try:
         if kept:
