@@ -594,8 +594,9 @@ def test_a_start_interrupted_as_its_inserts_reply_came_releases_the_claim(
 
 
 def test_a_task_rows_recorded_output_is_the_row_evolved() -> None:
+    failed_at = datetime.datetime(2026, 1, 2, tzinfo=datetime.timezone.utc)
     row = TaskRow(seq=2, name="fast.two", skipped=False, attempts=3, has_output=False,
-                  output=None, failed_at=datetime.datetime(2026, 1, 2, tzinfo=datetime.UTC))
+                  output=None, failed_at=failed_at)
     assert row.with_output({"a": [1]}) == attrs.evolve(row, has_output=True, output={"a": [1]})
     assert [f.name for f in attrs.fields(TaskRow)] == [
         "seq", "name", "skipped", "attempts", "has_output", "output", "failed_at",

@@ -327,12 +327,12 @@ def test_a_thread_that_cannot_start_is_one_line_and_exit_1(
     )
 
 
-@pytest.mark.skipif(sys.version_info < (3, 11), reason="python -P arrived in 3.11")
 def test_the_current_directory_is_importable_even_when_python_leaves_it_off_the_path() -> None:
+    # -P (PYTHONSAFEPATH) arrived in 3.11; on 3.10, isolated mode (-I) leaves it off too.
     proc = subprocess.run(
         [
             sys.executable,
-            "-P",
+            "-P" if sys.version_info >= (3, 11) else "-I",
             "-m",
             "workflow.worker",
             "--app",

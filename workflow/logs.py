@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    _Adapter = logging.LoggerAdapter[logging.Logger]
+else:  # LoggerAdapter takes a subscript at run time from Python 3.11 only
+    _Adapter = logging.LoggerAdapter
 
 ALERT = 60
 """Above CRITICAL: a run is parked and will not move without a person."""
@@ -17,7 +22,7 @@ ALERT = 60
 logging.addLevelName(ALERT, "ALERT")
 
 
-class EngineLog(logging.LoggerAdapter[logging.Logger]):
+class EngineLog(_Adapter):
     """The engine's records on the manager's logger, prefixed `workflow: `.
 
     `for_run(run_id)` gives the same log for one run: its messages read
