@@ -52,6 +52,8 @@ def _wf() -> workflow.Workflow[Inp]:
     [
         ({"cron": "61 * * * *"}, "bad cron expression"),
         ({"cron": "* * *"}, "bad cron expression"),
+        ({"cron": "*/10 * * * * *"}, "five fields"),
+        ({"cron": "0 0 * * * * *"}, "five fields"),
         ({"cron": 5}, "cron must be a str"),
         ({"timezone": "Mars/Olympus"}, "unknown time zone"),
         ({"timezone": "../etc/passwd"}, "unknown time zone"),
@@ -146,6 +148,23 @@ def test_times_in_a_daylight_saving_zone_compare_as_instants() -> None:
     ticks, following = hourly.due(first_pass, second_pass)
     assert [t.isoformat() for t in ticks] == ["2026-10-25T00:50:00+00:00"]
     assert following == at("2026-10-25T01:50:00+00:00")
+
+
+@pytest.mark.parametrize("catchup", ["all", "latest", "none"])
+@pytest.mark.parametrize("zone", ["UTC", BERLIN])
+def test_a_tick_fires_when_the_worker_looks_milliseconds_after_it(catchup: str, zone: str) -> None:
+    """A worker wakes for a tick and reads the database's now() a few milliseconds after
+    it: the tick is due, whatever the catch-up policy. (cronsim 2.7, the newest on
+    Python 3.10, iterates backwards from a time as if its microseconds were zero.)"""
+    minutely = Schedule("m", _wf(), "* * * * *", input=Inp(1), timezone=zone, catchup=catchup)
+    tick = at("2026-12-07T12:37:00+00:00")
+    for late in (datetime.timedelta(microseconds=1), datetime.timedelta(milliseconds=11),
+                 datetime.timedelta(seconds=59, microseconds=999_999)):
+        ticks, following = minutely.due(tick, tick + late)
+        assert ticks == [tick], late
+        assert following == at("2026-12-07T12:38:00+00:00")
+    ticks, _ = minutely.due(tick, tick)
+    assert ticks == [tick]
 
 
 def test_the_catchup_policies_after_downtime() -> None:

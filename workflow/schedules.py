@@ -42,7 +42,7 @@ MAX_CATCHUP = 100
 NONE_GRACE = 60.0
 """How late (seconds) a tick may be and still fire with `catchup="none"`."""
 _UTC = datetime.timezone.utc
-_STEP = datetime.timedelta(microseconds=1)
+_MINUTE = datetime.timedelta(minutes=1)
 _MAX_STEPS = 1000
 
 
@@ -100,6 +100,11 @@ class Schedule(Generic[In]):
             ) from None
         if not isinstance(cron, str):
             raise RegistrationError(f"schedule {name!r}: cron must be a str, got {cron!r}")
+        if len(cron.split()) != 5:  # cronsim 2.7 and later also read six fields (seconds)
+            raise RegistrationError(
+                f"schedule {name!r}: bad cron expression {cron!r}: it needs five fields "
+                "(minute, hour, day of month, month, day of week; schedules have no seconds)"
+            )
         try:
             next(cronsim.CronSim(cron, datetime.datetime.now(self._zone)))
         except cronsim.CronSimError as e:
@@ -152,7 +157,12 @@ class Schedule(Generic[In]):
         """Up to `most` ticks in [`since`, `now`], the most recent ones, oldest first, in UTC."""
         now, since = now.astimezone(_UTC), since.astimezone(_UTC)
         found: list[datetime.datetime] = []
-        backwards = cronsim.CronSim(self.cron, (now + _STEP).astimezone(self._zone), reverse=True)
+        # cronsim iterates backwards from strictly before its start, and some releases
+        # read the start as if its seconds (2.6) or microseconds (2.7) were zero; ticks
+        # fall on whole minutes, so start from the whole minute after `now`, which
+        # every release reads alike.
+        start = now.replace(second=0, microsecond=0) + _MINUTE
+        backwards = cronsim.CronSim(self.cron, start.astimezone(self._zone), reverse=True)
         for step, local in enumerate(backwards):
             tick = local.astimezone(_UTC)
             if tick < since or len(found) == most or step > 2 * most + _MAX_STEPS:
