@@ -21,6 +21,7 @@ from helpers import ROOT, Inp, Out, registry
 import workflow
 from workflow import Status
 from workflow.__main__ import main
+from workflow.admin_cli import parse_when
 
 A = workflow.Task("a", Out)
 B = workflow.Task("b", Out)
@@ -177,6 +178,39 @@ def test_stats_is_a_table_and_json(
     code, out, _ = cli(capsys, db_url, "stats", "--json")
     stats = json.loads(out)
     assert (stats["parked"], stats["succeeded_last_day"]) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    ("text", "when"),
+    [
+        ("2026-12-07T10:00:00Z", datetime.datetime(2026, 12, 7, 10, tzinfo=datetime.timezone.utc)),
+        ("2026-12-07T10:00z", datetime.datetime(2026, 12, 7, 10, tzinfo=datetime.timezone.utc)),
+        (" 2026-12-07 10:00 ", datetime.datetime(2026, 12, 7, 10, tzinfo=datetime.timezone.utc)),
+        (
+            "2026-12-07T11:00:00+01:00",
+            datetime.datetime(2026, 12, 7, 10, tzinfo=datetime.timezone.utc),
+        ),
+    ],
+)
+def test_since_and_until_read_iso_times_on_every_supported_python(
+    text: str, when: datetime.datetime
+) -> None:
+    """`Z` too: Python 3.10's fromisoformat refuses it, 3.11's reads it."""
+    parsed = parse_when(text)
+    assert parsed == when and isinstance(parsed, datetime.datetime) and parsed.tzinfo is not None
+
+
+def test_runs_list_until_an_iso_time_in_utc(
+    capsys: pytest.CaptureFixture[str], db_url: str, runs: dict[str, str]
+) -> None:
+    later = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(hours=1)
+    code, out, err = cli(
+        capsys, db_url, "runs", "list", "--until", later.strftime("%Y-%m-%dT%H:%M:%SZ"), "--json"
+    )
+    assert code == 0, err
+    assert {json.loads(line)["id"] for line in out.splitlines()} == set(runs.values())
+    code, out, err = cli(capsys, db_url, "runs", "list", "--until", "2000-01-01T00:00:00Z")
+    assert code == 0 and not any(run_id in out for run_id in runs.values())
 
 
 @pytest.mark.parametrize(
