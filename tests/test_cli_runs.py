@@ -218,6 +218,7 @@ def test_runs_list_until_an_iso_time_in_utc(
     [
         (["runs", "list", "--status", "lost"], "unknown status 'lost'"),
         (["runs", "list", "--since", "yesterday"], "neither a duration"),
+        (["runs", "list", "--until", "todayZ"], "'todayZ' is neither a duration"),
         (["prune", "--older-than", "7 days"], "not a duration"),
         (["prune", "--older-than", "99999999999d"], "longer than a duration may be"),
         (["runs", "list", "--limit", "0"], "--limit"),

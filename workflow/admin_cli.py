@@ -40,11 +40,11 @@ def parse_when(text: str) -> datetime.datetime | datetime.timedelta:
     """A span (that long ago) or an ISO 8601 time (UTC when it names no offset, or `Z`)."""
     if is_span(text):
         return parse_span(text)
-    text = text.strip()
-    if text.endswith(("Z", "z")):  # Python 3.10's fromisoformat does not read Z
-        text = text[:-1] + "+00:00"
+    iso = text.strip()
+    if iso.endswith(("Z", "z")):  # Python 3.10's fromisoformat does not read Z
+        iso = iso[:-1] + "+00:00"
     try:
-        when = datetime.datetime.fromisoformat(text)
+        when = datetime.datetime.fromisoformat(iso)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{text!r} is neither a duration (24h, 7d) nor an ISO 8601 time"
