@@ -46,6 +46,12 @@ def pytest_configure(config: pytest.Config) -> None:
         "behind_pgbouncer: says something only with the engine behind PgBouncer "
         "($WORKFLOW_TEST_PGBOUNCER); deselected otherwise, not skipped",
     )
+    config.addinivalue_line(
+        "markers",
+        "server(major, reason): reads what PostgreSQL has only from release `major` on (a "
+        "function, a catalog column); deselected, not skipped, when "
+        "$WORKFLOW_TEST_DATABASE_URL is an older server",
+    )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -59,9 +65,43 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _server_major() -> int | None:
+    """The major release of `$WORKFLOW_TEST_DATABASE_URL`'s server; None when it is
+    unset (the embedded server is recent) or cannot be reached (the fixtures say so)."""
+    url = os.environ.get("WORKFLOW_TEST_DATABASE_URL")
+    if not url:
+        return None
+    try:
+        with psycopg.connect(url, connect_timeout=10) as conn:
+            return conn.info.server_version // 10000
+    except psycopg.OperationalError:
+        return None
+
+
+def _deselect_for_the_server(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect the tests marked `server(major)` when the server is older, and say so."""
+    wanting = [item for item in items if item.get_closest_marker("server")]
+    major = _server_major() if wanting else None
+    if major is None:
+        return
+    away: list[pytest.Item] = []
+    for item in wanting:
+        marker = item.get_closest_marker("server")
+        assert marker is not None
+        if major < marker.args[0]:
+            away.append(item)
+            print(f"\ndeselected on PostgreSQL {major}: {item.nodeid} "
+                  f"(needs {marker.args[0]}: {marker.args[1]})")
+    if away:
+        config.hook.pytest_deselected(items=away)
+        items[:] = [item for item in items if item not in away]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Behind PgBouncer, skip the tests marked `direct`, saying why each needs a session;
-    otherwise deselect those marked `behind_pgbouncer` (a skip would fail a CI run)."""
+    """Deselect the tests an older server cannot run (marked `server`). Behind PgBouncer,
+    skip the tests marked `direct`, saying why each needs a session; otherwise deselect
+    those marked `behind_pgbouncer` (a skip would fail a CI run)."""
+    _deselect_for_the_server(config, items)
     if not ENABLED:
         kept: list[pytest.Item] = []
         away: list[pytest.Item] = []

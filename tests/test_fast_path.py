@@ -255,6 +255,7 @@ def test_start_with_the_pool_full_is_picked_up_by_a_poller(
 
 
 @pytest.mark.direct(reason="counts the transactions of one server connection")
+@pytest.mark.server(15, "pg_stat_force_next_flush()")
 def test_a_three_task_fast_path_run_costs_four_transactions(
     db_url: str, pg_url: str, h: Handlers
 ) -> None:
@@ -299,8 +300,6 @@ def test_a_three_task_fast_path_run_costs_four_transactions(
         psycopg.connect(pg_url, autocommit=True) as admin,
         psycopg.connect(db_url, autocommit=True, prepare_threshold=None) as inspector,
     ):
-        if admin.info.server_version < 150000:
-            pytest.skip("pg_stat_force_next_flush() needs PostgreSQL 15")
         mgr = workflow.Manager(engine_pool, three_tasks(h))
         try:
             costs = []

@@ -587,6 +587,14 @@ def statements(db: psycopg.Connection[Any], text: str = "", *, waiting: bool = F
 COMBINED = ") AS held"
 
 
+def assert_orphans_run_on(db: psycopg.Connection[Any]) -> None:
+    """The server goes on running a statement whose client is gone: it does not check
+    the connection (`client_connection_check_interval`, from PostgreSQL 14; 13 never
+    checks)."""
+    setting = "SELECT current_setting('client_connection_check_interval', true)"
+    assert db.execute(setting).fetchone() in {("0",), (None,)}
+
+
 def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
                       db: psycopg.Connection[Any], db_url: str, hold: tuple[str, tuple[Any, ...]],
                       block: tuple[str, tuple[Any, ...]], first: Any, queued: list[Any],
@@ -599,8 +607,7 @@ def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
     `block_for_good`: `block` is let go of only once the combined statement has gone
     from the server (its writer must end it: the blocker is an idle transaction that
     would hold on for ever)."""
-    row = db.execute("SHOW client_connection_check_interval").fetchone()
-    assert row == ("0",), "the server must go on running a statement whose client is gone"
+    assert_orphans_run_on(db)
     threads = [threading.Thread(target=write.write, args=(store,)) for write in (first, *queued)]
     group.flights = 1  # the writes after the first queue, none rides beside it
     with psycopg.connect(db_url) as holder, psycopg.connect(db_url) as blocker:
@@ -681,8 +688,7 @@ def test_runs_claimed_by_finishes_still_running_when_their_connection_is_lost_ar
     the runs are neither stranded until the sweeper nor charged an attempt none of them
     made; the finishes, written again one by one after it ended, find themselves done."""
     store, proxy = proxied_store
-    row = db.execute("SHOW client_connection_check_interval").fetchone()
-    assert row == ("0",), "the server must go on running a statement whose client is gone"
+    assert_orphans_run_on(db)
     runs = [insert_claimed_run(db) for _ in range(2)]
     waiting = [insert_waiting_run(db) for _ in range(3)]
     batch = Finishes(runs, claim=2)

@@ -780,6 +780,7 @@ def _generic_plan(conn: psycopg.Connection[Any], statement: str,
     return plan
 
 
+@pytest.mark.server(14, "pg_prepared_statements.generic_plans")
 @pytest.mark.parametrize("statement", PLANNED_ONCE)
 def test_a_combined_write_or_claim_keeps_one_plan_on_a_table_with_statistics(
     backlog_db: psycopg.Connection[Any], statement: str

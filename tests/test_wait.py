@@ -160,6 +160,7 @@ def test_wait_on_a_run_finished_in_this_process_returns_when_it_finishes(
 
 
 @pytest.mark.direct(reason="counts the transactions of one server connection")
+@pytest.mark.server(15, "pg_stat_force_next_flush()")
 @pytest.mark.parametrize("outcome", ["ok", PARK])
 def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll(
     db_url: str, pg_url: str, h: Handlers, outcome: str
@@ -189,8 +190,6 @@ def test_wait_on_a_run_finished_in_this_process_is_woken_without_a_database_poll
         open=True,
     )
     with engine_pool, psycopg.connect(pg_url, autocommit=True) as admin:
-        if admin.info.server_version < 150000:
-            pytest.skip("pg_stat_force_next_flush() needs PostgreSQL 15")
         mgr = workflow.Manager(engine_pool, rules(h))
         try:
             costs = []

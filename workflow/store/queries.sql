@@ -462,7 +462,10 @@ ORDER BY c.created_at, c.id, t.seq;
 -- Record a task's output and move the run to its next task, or finish it (fenced); a keyed run that
 -- finishes frees its slot and, with wake_key and runs of its key waiting, wakes the pollers (its key's next
 -- run is claimable at once). A notification serialises the commits of every notifying transaction, so a
--- poller that claims the key's next run itself (claim_key_head) passes wake_key false.
+-- poller that claims the key's next run itself (claim_key_head) passes wake_key false. Whether runs of the key
+-- wait is a scalar subquery, not EXISTS (here and in complete_tasks, complete_tasks_claiming and park_run): for an
+-- EXISTS outside WHERE, PostgreSQL 13 plans a read of every run beside the index lookup and picks one of the two
+-- as the statement starts, by its row estimates; 14 and later pick at planning, and pick the index.
 WITH run AS (
     UPDATE workflow_runs
     SET current_seq = %(next_seq)s,
@@ -474,10 +477,10 @@ WITH run AS (
         key_slot = CASE WHEN %(finishes)s THEN NULL ELSE key_slot END
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id, CASE WHEN %(finishes)s AND %(wake_key)s AND concurrency_key IS NOT NULL
-                            AND EXISTS (SELECT FROM workflow_runs w
+                            AND (SELECT true FROM workflow_runs w
                                    WHERE w.workflow = workflow_runs.workflow
                                      AND w.concurrency_key = workflow_runs.concurrency_key
-                                     AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                                     AND w.finished_at IS NULL AND w.key_slot IS NULL LIMIT 1)
                        THEN pg_notify(%(channel)s, workflow) END AS woke
 )
 UPDATE workflow_tasks t
@@ -531,10 +534,10 @@ WITH given AS MATERIALIZED (
     WHERE r.id = s.id AND r.claim_id = s.claim_id
     RETURNING r.id, s.claim_id, s.seq, s.output,
               CASE WHEN s.finishes AND s.wake_key AND r.concurrency_key IS NOT NULL
-                        AND EXISTS (SELECT FROM workflow_runs w
+                        AND (SELECT true FROM workflow_runs w
                                     WHERE w.workflow = r.workflow
                                       AND w.concurrency_key = r.concurrency_key
-                                      AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                                      AND w.finished_at IS NULL AND w.key_slot IS NULL LIMIT 1)
                    THEN pg_notify(%(channel)s, r.workflow) END AS woke
 )
 UPDATE workflow_tasks t
@@ -585,10 +588,10 @@ WITH given AS MATERIALIZED (
     WHERE r.id = s.id AND r.claim_id = s.claim_id
     RETURNING r.id, s.claim_id, s.seq, s.output,
               CASE WHEN s.finishes AND s.wake_key AND r.concurrency_key IS NOT NULL
-                        AND EXISTS (SELECT FROM workflow_runs w
+                        AND (SELECT true FROM workflow_runs w
                                     WHERE w.workflow = r.workflow
                                       AND w.concurrency_key = r.concurrency_key
-                                      AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                                      AND w.finished_at IS NULL AND w.key_slot IS NULL LIMIT 1)
                    THEN pg_notify(%(channel)s, r.workflow) END AS woke
 ), done AS (
     UPDATE workflow_tasks t
@@ -706,10 +709,10 @@ WITH run AS (
         released_claim = claim_id, key_slot = NULL
     WHERE id = %(id)s AND claim_id = %(claim_id)s
     RETURNING id, CASE WHEN %(wake_key)s AND concurrency_key IS NOT NULL
-                            AND EXISTS (SELECT FROM workflow_runs w
+                            AND (SELECT true FROM workflow_runs w
                                    WHERE w.workflow = workflow_runs.workflow
                                      AND w.concurrency_key = workflow_runs.concurrency_key
-                                     AND w.finished_at IS NULL AND w.key_slot IS NULL)
+                                     AND w.finished_at IS NULL AND w.key_slot IS NULL LIMIT 1)
                        THEN pg_notify(%(channel)s, workflow) END AS woke
 ), task AS (
     UPDATE workflow_tasks t
