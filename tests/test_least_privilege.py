@@ -9,6 +9,7 @@ grants, the ones the README shows:
     GRANT SELECT, INSERT, UPDATE, DELETE
         ON workflow_runs, workflow_tasks, workflow_events, workflow_schedules TO <role>;
     GRANT SELECT ON workflow_yoyo_migration TO <role>;
+    REVOKE CREATE ON SCHEMA public FROM PUBLIC;
 
 and proves that a Manager and a runnable connecting as that role start (fast path
 and `start_tx`), execute, retry, park and sweep runs, that an `Admin` as that role
@@ -39,6 +40,8 @@ GRANTS = [
     "GRANT SELECT, INSERT, UPDATE, DELETE ON workflow_runs, workflow_tasks, workflow_events, "
     "workflow_schedules TO {role}",
     "GRANT SELECT ON workflow_yoyo_migration TO {role}",
+    # PostgreSQL 14 and older grant CREATE on public to every role; 15 and later do not.
+    "REVOKE CREATE ON SCHEMA public FROM PUBLIC",
 ]
 
 LOGGER = "least_privilege.engine"
