@@ -21,7 +21,7 @@ import logging
 import os
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -78,23 +78,36 @@ def _server_major() -> int | None:
         return None
 
 
+def _deselect(
+    config: pytest.Config, items: list[pytest.Item], away: Callable[[pytest.Item], bool]
+) -> list[pytest.Item]:
+    """Deselect the items for which `away` is true (a deselection, unlike a skip, does
+    not fail a CI run); returns them."""
+    kept: list[pytest.Item] = []
+    gone: list[pytest.Item] = []
+    for item in items:
+        (gone if away(item) else kept).append(item)
+    if gone:
+        config.hook.pytest_deselected(items=gone)
+        items[:] = kept
+    return gone
+
+
 def _deselect_for_the_server(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Deselect the tests marked `server(major)` when the server is older, and say so."""
-    wanting = [item for item in items if item.get_closest_marker("server")]
-    major = _server_major() if wanting else None
+    major = _server_major() if any(i.get_closest_marker("server") for i in items) else None
     if major is None:
         return
-    away: list[pytest.Item] = []
-    for item in wanting:
+
+    def needs(item: pytest.Item) -> int:
+        marker = item.get_closest_marker("server")
+        return 0 if marker is None else int(marker.args[0])
+
+    for item in _deselect(config, items, lambda item: major < needs(item)):
         marker = item.get_closest_marker("server")
         assert marker is not None
-        if major < marker.args[0]:
-            away.append(item)
-            print(f"\ndeselected on PostgreSQL {major}: {item.nodeid} "
-                  f"(needs {marker.args[0]}: {marker.args[1]})")
-    if away:
-        config.hook.pytest_deselected(items=away)
-        items[:] = [item for item in items if item not in away]
+        print(f"\ndeselected on PostgreSQL {major}: {item.nodeid} "
+              f"(needs {marker.args[0]}: {marker.args[1]})")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -103,13 +116,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     those marked `behind_pgbouncer` (a skip would fail a CI run)."""
     _deselect_for_the_server(config, items)
     if not ENABLED:
-        kept: list[pytest.Item] = []
-        away: list[pytest.Item] = []
-        for item in items:
-            (away if item.get_closest_marker("behind_pgbouncer") else kept).append(item)
-        if away:
-            config.hook.pytest_deselected(items=away)
-            items[:] = kept
+        _deselect(config, items, lambda item: bool(item.get_closest_marker("behind_pgbouncer")))
         return
     for item in items:
         marker = item.get_closest_marker("direct")

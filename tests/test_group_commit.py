@@ -592,7 +592,9 @@ def assert_orphans_run_on(db: psycopg.Connection[Any]) -> None:
     the connection (`client_connection_check_interval`, from PostgreSQL 14; 13 never
     checks)."""
     setting = "SELECT current_setting('client_connection_check_interval', true)"
-    assert db.execute(setting).fetchone() in {("0",), (None,)}
+    row = db.execute(setting).fetchone()
+    gone_on = "the server must go on running a statement whose client is gone"
+    assert row in {("0",), (None,)}, gone_on
 
 
 def cut_while_running(store: Store, group: GroupCommit[Any], proxy: ReplyProxy,
